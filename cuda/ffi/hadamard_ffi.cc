@@ -1,0 +1,48 @@
+// XLA FFI handler for jax_fa3.hadamard_transform.
+#include "ffi/ffi_common.h"
+#include "ffi/handlers.h"
+#include "hadamard/hadamard.h"
+
+namespace jax_fa3 {
+namespace {
+
+namespace ffi = xla::ffi;
+using ffi_util::invalid;
+using ffi_util::shape_str;
+
+ffi::Error hadamard_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> signs,
+                         bool apply_signs, ffi::Result<ffi::AnyBuffer> y) {
+  const auto dims = x.dimensions();
+  if (dims.size() < 1) return invalid("hadamard_transform: x must have rank >= 1, got a scalar");
+  const int64_t d = dims.back();
+  if (d < 1 || d > kHadamardMaxDim) {
+    return invalid("hadamard_transform: last axis of x must be in [1, ", kHadamardMaxDim, "], got ", d);
+  }
+  const auto dtype = ffi_util::to_dtype(x.element_type());
+  if (!dtype || *dtype == DType::kFloat8E4M3) {
+    return invalid("hadamard_transform: x must be float32, bfloat16 or float16");
+  }
+  if (y->element_type() != x.element_type() || y->element_count() != x.element_count()) {
+    return invalid("hadamard_transform: output must match x in dtype and shape ", shape_str(dims));
+  }
+  if (apply_signs && (signs.dimensions().size() != 1 || signs.dimensions()[0] != d)) {
+    return invalid("hadamard_transform: signs must have shape (", d, ",), got ",
+                   shape_str(signs.dimensions()));
+  }
+  HadamardParams params{x.untyped_data(), apply_signs ? signs.typed_data() : nullptr,
+                        y->untyped_data(), static_cast<int64_t>(x.element_count() / d),
+                        static_cast<int>(d), *dtype};
+  return ffi_util::from_cuda(launch_hadamard(params, stream), "hadamard kernel launch");
+}
+
+}  // namespace
+}  // namespace jax_fa3
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3Hadamard, jax_fa3::hadamard_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<bool>("apply_signs")
+                                  .Ret<xla::ffi::AnyBuffer>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

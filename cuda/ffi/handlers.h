@@ -1,0 +1,6 @@
+// Every XLA FFI handler the kernels library exports, and the registry Python reads.
+#pragma once
+#include "common/cuda_check.h"
+#include "xla/ffi/api/api.h"
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFa3Hadamard);

@@ -1,0 +1,41 @@
+#include "ffi/registry.h"
+
+#include "ffi/handlers.h"
+
+#define JAX_FA3_STR2(x) #x
+#define JAX_FA3_STR(x) JAX_FA3_STR2(x)
+
+extern "C" const jax_fa3::FfiTarget* jax_fa3_ffi_targets(int* count) {
+  static const jax_fa3::FfiTarget targets[] = {
+      {"jax_fa3_hadamard", reinterpret_cast<void*>(JaxFa3Hadamard)},
+  };
+  *count = static_cast<int>(sizeof(targets) / sizeof(targets[0]));
+  return targets;
+}
+
+extern "C" const char* jax_fa3_build_config() {
+  return "head_dims="
+#ifdef JAX_FA3_HAS_HDIM64
+         "64,"
+#endif
+#ifdef JAX_FA3_HAS_HDIM96
+         "96,"
+#endif
+#ifdef JAX_FA3_HAS_HDIM128
+         "128,"
+#endif
+#ifdef JAX_FA3_HAS_HDIM192
+         "192,"
+#endif
+#ifdef JAX_FA3_HAS_HDIM256
+         "256,"
+#endif
+         ";dtypes="
+#ifdef JAX_FA3_HAS_BF16
+         "bf16,"
+#endif
+#ifdef JAX_FA3_HAS_FP16
+         "fp16,"
+#endif
+         ";cuda=" JAX_FA3_STR(CUDART_VERSION);
+}
