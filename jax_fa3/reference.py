@@ -1,0 +1,299 @@
+"""Pure-JAX FlashAttention: the CPU path and the fallback when no kernel applies.
+
+Semantics are those of docs/CONTRACTS.md (GQA, bottom-right aligned windows, soft-capping, rows that
+see no key give output 0 and LSE +inf). The computation is blocked like FlashAttention so that no
+s_q x s_k array ever exists for long inputs:
+
+- forward: a loop over query blocks, and inside it a scan over key/value blocks carrying an online
+  softmax (running max, running sum, unnormalised output accumulator);
+- backward: a scan over key/value blocks (accumulating that block's dK, dV), and inside it a scan
+  over query blocks that recomputes P = exp(S - LSE) and returns each query block's share of dQ.
+
+Both sequence lengths are padded up to a multiple of their block size; padded keys are masked and
+padded query rows are sliced away. Scores, softmax and accumulators are float32 (float64 for float64
+inputs); matmuls run at HIGHEST precision so that float32 means float32 on GPUs too (no TF32).
+
+Callers validate inputs (rank 4, (b, s, h, d) layout, h % h_k == 0, one dtype); everything that is
+not an array is a static Python scalar.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_K = 512
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def _compute_dtype(dtype):
+    return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
+
+
+def _block_size(requested, seqlen, default):
+    """The requested block size, or the default clipped to the sequence (one block when short)."""
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"block size must be positive, got {requested}")
+        return int(requested)
+    return max(1, min(default, seqlen))
+
+
+def _num_blocks(seqlen, block):
+    return -(-seqlen // block)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout helpers. Blocked layouts put the block index first so that scan/map can iterate over it:
+#   query-like (b, s_q, h, d)   -> (n_q_blocks, b, block_q, h_k, group, d)
+#   key-like   (b, s_k, h_k, d) -> (n_k_blocks, b, block_k, h_k, d)
+#   row stats  (b, h, s_q)      -> (n_q_blocks, b, h_k, group, block_q)
+# where group = h // h_k is the number of query heads sharing a kv head (query head i = kv head
+# i // group, so splitting h as (h_k, group) is exactly the GQA assignment).
+# ---------------------------------------------------------------------------------------------
+
+def _pad_axis(x, axis, new_length, value=0):
+    padding = [(0, 0)] * x.ndim
+    padding[axis] = (0, new_length - x.shape[axis])
+    return jnp.pad(x, padding, constant_values=value)
+
+
+def _block_queries(x, block, num_kv_heads):
+    b, s, h, d = x.shape
+    n = _num_blocks(s, block)
+    x = _pad_axis(x, 1, n * block)
+    x = x.reshape(b, n, block, num_kv_heads, h // num_kv_heads, d)
+    return jnp.moveaxis(x, 1, 0)
+
+
+def _unblock_queries(x, seqlen):
+    n, b, block, h_k, group, d = x.shape
+    x = jnp.moveaxis(x, 0, 1).reshape(b, n * block, h_k * group, d)
+    return x[:, :seqlen]
+
+
+def _block_keys(x, block):
+    b, s, h_k, d = x.shape
+    n = _num_blocks(s, block)
+    x = _pad_axis(x, 1, n * block).reshape(b, n, block, h_k, d)
+    return jnp.moveaxis(x, 1, 0)
+
+
+def _unblock_keys(x, seqlen):
+    n, b, block, h_k, d = x.shape
+    return jnp.moveaxis(x, 0, 1).reshape(b, n * block, h_k, d)[:, :seqlen]
+
+
+def _block_row_stats(x, block, num_kv_heads, pad_value):
+    b, h, s = x.shape
+    n = _num_blocks(s, block)
+    x = _pad_axis(x, 2, n * block, pad_value)
+    x = x.reshape(b, num_kv_heads, h // num_kv_heads, n, block)
+    return jnp.moveaxis(x, 3, 0)
+
+
+def _unblock_row_stats(x, seqlen):
+    n, b, h_k, group, block = x.shape
+    return jnp.moveaxis(x, 0, 3).reshape(b, h_k * group, n * block)[..., :seqlen]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-block pieces shared by forward and backward.
+# ---------------------------------------------------------------------------------------------
+
+class _Problem:
+    """Static description of one attention call: lengths, blocks, masking and score options."""
+
+    def __init__(self, s_q, s_k, block_q, block_k, softmax_scale, window_left, window_right,
+                 softcap, compute_dtype):
+        self.s_q, self.s_k = s_q, s_k
+        self.block_q, self.block_k = block_q, block_k
+        self.softmax_scale = float(softmax_scale)
+        self.window_left, self.window_right = int(window_left), int(window_right)
+        self.softcap = float(softcap)
+        self.compute_dtype = compute_dtype
+
+    def visible(self, q_block_index, k_block_index):
+        """(block_q, block_k) bool: which (query, key) pairs of these two blocks may interact."""
+        query = q_block_index * self.block_q + jnp.arange(self.block_q)[:, None]
+        key = k_block_index * self.block_k + jnp.arange(self.block_k)[None, :]
+        diagonal = query + (self.s_k - self.s_q)  # bottom-right alignment
+        visible = key < self.s_k  # padded keys are never visible
+        if self.window_left >= 0:
+            visible &= key >= diagonal - self.window_left
+        if self.window_right >= 0:
+            visible &= key <= diagonal + self.window_right
+        return visible
+
+    def scores(self, q_block, k_block):
+        """Soft-capped scores (b, h_k, group, block_q, block_k) and tanh(raw / softcap) or None."""
+        q_block = q_block.astype(self.compute_dtype)
+        k_block = k_block.astype(self.compute_dtype)
+        raw = self.softmax_scale * jnp.einsum(
+            "bqhgd,bkhd->bhgqk", q_block, k_block, precision=_HIGHEST)
+        if self.softcap > 0:
+            tanh = jnp.tanh(raw / self.softcap)
+            return self.softcap * tanh, tanh
+        return raw, None
+
+    def masked_scores(self, q_block, k_block, q_block_index, k_block_index):
+        scores, tanh = self.scores(q_block, k_block)
+        visible = self.visible(q_block_index, k_block_index)
+        return jnp.where(visible, scores, -jnp.inf), tanh
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+
+def _forward_query_block(problem, k_blocks, v_blocks, q_block, q_block_index):
+    """Online softmax of one query block over all key blocks -> (out block, lse block)."""
+    b, block_q, h_k, group, d = q_block.shape
+    dtype = problem.compute_dtype
+
+    def step(carry, key_block_inputs):
+        row_max, row_sum, acc = carry  # (b, h_k, group, block_q) x2, (b, h_k, group, block_q, d)
+        k_block, v_block, k_block_index = key_block_inputs
+        scores, _ = problem.masked_scores(q_block, k_block, q_block_index, k_block_index)
+        new_max = jnp.maximum(row_max, scores.max(axis=-1))
+        # While a row has seen nothing, its max is -inf; shift by 0 instead so that
+        # exp(-inf - shift) = 0 rather than exp(-inf + inf) = NaN.
+        shift = jnp.where(jnp.isneginf(new_max), 0.0, new_max).astype(dtype)
+        rescale = jnp.exp(row_max - shift)
+        probs = jnp.exp(scores - shift[..., None])
+        row_sum = row_sum * rescale + probs.sum(axis=-1)
+        acc = acc * rescale[..., None] + jnp.einsum(
+            "bhgqk,bkhd->bhgqd", probs, v_block.astype(dtype), precision=_HIGHEST)
+        return (new_max, row_sum, acc), None
+
+    stats_shape = (b, h_k, group, block_q)
+    init = (jnp.full(stats_shape, -jnp.inf, dtype), jnp.zeros(stats_shape, dtype),
+            jnp.zeros(stats_shape + (d,), dtype))
+    k_block_indices = jnp.arange(k_blocks.shape[0])
+    (row_max, row_sum, acc), _ = lax.scan(step, init, (k_blocks, v_blocks, k_block_indices))
+
+    empty_row = row_sum == 0  # no visible key (every probability underflowing is impossible:
+    #                            the max itself contributes exp(0) = 1)
+    safe_sum = jnp.where(empty_row, 1.0, row_sum)
+    out = jnp.where(empty_row[..., None], 0.0, acc / safe_sum[..., None])
+    lse = jnp.where(empty_row, jnp.inf, row_max + jnp.log(safe_sum))
+    return jnp.einsum("bhgqd->bqhgd", out), lse
+
+
+def attention_forward(q, k, v, *, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
+                      block_q=None, block_k=None):
+    """Blocked attention forward.
+
+    Args:
+      q: (b, s_q, h, d); k, v: (b, s_k, h_k, d) with h % h_k == 0, all of one dtype.
+      softmax_scale, window_left, window_right, softcap: see docs/CONTRACTS.md.
+      block_q, block_k: block sizes (default: 512, or the sequence length when shorter).
+
+    Returns:
+      out (b, s_q, h, d) in q's dtype, and lse (b, h, s_q): float32, or float64 for float64 inputs
+      (so that a float64 backward can recompute P exactly); +inf for rows that see no key.
+    """
+    s_q, h_k = q.shape[1], k.shape[2]
+    problem = _Problem(
+        s_q, k.shape[1], _block_size(block_q, s_q, DEFAULT_BLOCK_Q),
+        _block_size(block_k, k.shape[1], DEFAULT_BLOCK_K), softmax_scale, window_left,
+        window_right, softcap, _compute_dtype(q.dtype))
+
+    q_blocks = _block_queries(q, problem.block_q, h_k)
+    k_blocks = _block_keys(k, problem.block_k)
+    v_blocks = _block_keys(v, problem.block_k)
+    q_block_indices = jnp.arange(q_blocks.shape[0])
+
+    per_query_block = functools.partial(_forward_query_block, problem, k_blocks, v_blocks)
+    out_blocks, lse_blocks = lax.map(lambda args: per_query_block(*args),
+                                     (q_blocks, q_block_indices))
+    out = _unblock_queries(out_blocks, s_q).astype(q.dtype)
+    lse = _unblock_row_stats(lse_blocks, s_q)
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+
+def _backward_key_block(problem, query_side, k_block, v_block, k_block_index):
+    """Gradients for one key/value block: (dk block, dv block, dq contributions of all q blocks).
+
+    query_side = (q_blocks, dout_blocks, lse_blocks, delta_blocks) in blocked layouts.
+    """
+    dtype = problem.compute_dtype
+    k_block = k_block.astype(dtype)
+    v_block = v_block.astype(dtype)
+
+    def step(carry, query_block_inputs):
+        dk_acc, dv_acc = carry  # (b, block_k, h_k, d) each
+        q_block, dout_block, lse_block, delta_block, q_block_index = query_block_inputs
+        q_block = q_block.astype(dtype)
+        dout_block = dout_block.astype(dtype)
+        scores, tanh = problem.masked_scores(q_block, k_block, q_block_index, k_block_index)
+        # lse = +inf on empty rows and scores = -inf where masked: both make P exactly 0.
+        probs = jnp.exp(scores - lse_block[..., None])
+        dv_acc = dv_acc + jnp.einsum("bhgqk,bqhgd->bkhd", probs, dout_block, precision=_HIGHEST)
+        dprobs = jnp.einsum("bqhgd,bkhd->bhgqk", dout_block, v_block, precision=_HIGHEST)
+        dscores = probs * (dprobs - delta_block[..., None])
+        if tanh is not None:
+            dscores = dscores * (1.0 - tanh * tanh)  # derivative of softcap * tanh(x / softcap)
+        dscores = dscores * problem.softmax_scale
+        dq_block = jnp.einsum("bhgqk,bkhd->bqhgd", dscores, k_block, precision=_HIGHEST)
+        dk_acc = dk_acc + jnp.einsum("bhgqk,bqhgd->bkhd", dscores, q_block, precision=_HIGHEST)
+        return (dk_acc, dv_acc), dq_block
+
+    zeros = jnp.zeros(k_block.shape, dtype)
+    q_block_indices = jnp.arange(query_side[0].shape[0])
+    (dk_block, dv_block), dq_parts = lax.scan(step, (zeros, zeros),
+                                             (*query_side, q_block_indices))
+    return dk_block, dv_block, dq_parts
+
+
+def attention_backward(q, k, v, out, lse, dout, *, softmax_scale, window_left=-1,
+                       window_right=-1, softcap=0.0, block_q=None, block_k=None):
+    """Blocked attention backward (FlashAttention-2 style, recomputing P from the LSE).
+
+    Args:
+      q, k, v, softmax_scale, window_left, window_right, softcap, block_q, block_k: as for
+        attention_forward.
+      out: (b, s_q, h, d), the forward output; lse: (b, h, s_q), the forward LSE (+inf on empty rows).
+      dout: (b, s_q, h, d), the cotangent of out.
+
+    Returns:
+      dq (b, s_q, h, d), dk and dv (b, s_k, h_k, d), in the inputs' dtype; dk and dv are summed over
+      the query heads that share each kv head.
+    """
+    s_q, s_k, h_k = q.shape[1], k.shape[1], k.shape[2]
+    dtype = _compute_dtype(q.dtype)
+    problem = _Problem(
+        s_q, s_k, _block_size(block_q, s_q, DEFAULT_BLOCK_Q),
+        _block_size(block_k, s_k, DEFAULT_BLOCK_K), softmax_scale, window_left, window_right,
+        softcap, dtype)
+
+    # D_i = sum_d dO_id O_id = sum_j P_ij dP_ij, the softmax Jacobian's row term; (b, h, s_q).
+    delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(dtype), out.astype(dtype),
+                       precision=_HIGHEST)
+    # Padded query rows get lse = +inf (so P = 0 there) and dout = 0.
+    query_side = (_block_queries(q, problem.block_q, h_k),
+                  _block_queries(dout, problem.block_q, h_k),
+                  _block_row_stats(lse.astype(dtype), problem.block_q, h_k, jnp.inf),
+                  _block_row_stats(delta, problem.block_q, h_k, 0.0))
+    k_blocks = _block_keys(k, problem.block_k)
+    v_blocks = _block_keys(v, problem.block_k)
+
+    def step(dq_acc, key_block_inputs):
+        dk_block, dv_block, dq_parts = _backward_key_block(problem, query_side, *key_block_inputs)
+        return dq_acc + dq_parts, (dk_block, dv_block)
+
+    dq_init = jnp.zeros(query_side[0].shape, dtype)
+    k_block_indices = jnp.arange(k_blocks.shape[0])
+    dq_blocks, (dk_blocks, dv_blocks) = lax.scan(step, dq_init,
+                                                 (k_blocks, v_blocks, k_block_indices))
+    dq = _unblock_queries(dq_blocks, s_q).astype(q.dtype)
+    dk = _unblock_keys(dk_blocks, s_k).astype(k.dtype)
+    dv = _unblock_keys(dv_blocks, s_k).astype(v.dtype)
+    return dq, dk, dv
