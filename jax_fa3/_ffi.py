@@ -1,0 +1,100 @@
+"""Loads the compiled extension, registers its XLA FFI targets (once, platform CUDA) and says
+whether our Hopper kernels can run here — and if not, why."""
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+
+import jax
+
+logger = logging.getLogger("jax_fa3")
+_lock = threading.Lock()
+_registered = False
+
+
+@functools.lru_cache(maxsize=None)
+def _extension():
+  """(module, None) or (None, reason)."""
+  try:
+    from jax_fa3 import _jax_fa3_cuda  # noqa: PLC0415 (optional compiled extension)
+  except ImportError as e:
+    return None, f"the CUDA extension is not built ({e}); reinstall with nvcc >= 12.8 on PATH"
+  return _jax_fa3_cuda, None
+
+
+def _hopper_gpus() -> list:
+  try:
+    gpus = jax.devices("gpu")
+  except RuntimeError:
+    return []
+  return [d for d in gpus if str(getattr(d, "compute_capability", "")).startswith("9.")]
+
+
+@functools.lru_cache(maxsize=None)
+def _availability() -> tuple[bool, str | None]:
+  module, reason = _extension()
+  if module is None:
+    return False, reason
+  try:
+    gpus = jax.devices("gpu")
+  except RuntimeError:
+    return False, "no GPU backend in this JAX installation (install jax[cuda13])"
+  if not _hopper_gpus():
+    names = sorted({f"{d.device_kind} (sm_{getattr(d, 'compute_capability', '?')})" for d in gpus})
+    return False, f"the kernels need an sm_90 (Hopper) GPU; found {', '.join(names)}"
+  return True, None
+
+
+def kernels_available() -> bool:
+  """True when the compiled sm_90a kernels can run on a local GPU."""
+  return _availability()[0]
+
+
+def kernels_unavailable_reason() -> str | None:
+  """Why kernels_available() is False, or None."""
+  return _availability()[1]
+
+
+@functools.lru_cache(maxsize=None)
+def build_config() -> dict[str, tuple[str, ...]]:
+  """What the extension was compiled with: {'head_dims': ('64', ...), 'dtypes': ('bf16', ...)}."""
+  module, _ = _extension()
+  if module is None:
+    return {}
+  out = {}
+  for part in module.build_config().split(";"):
+    key, _, value = part.partition("=")
+    out[key] = tuple(v for v in value.split(",") if v)
+  return out
+
+
+def ensure_registered() -> None:
+  """Registers every FFI target of the extension with XLA for platform CUDA, once."""
+  global _registered
+  if _registered:
+    return
+  with _lock:
+    if _registered:
+      return
+    module, reason = _extension()
+    if module is None:
+      raise RuntimeError(f"jax_fa3 kernels unavailable: {reason}")
+    for name, capsule in module.ffi_targets().items():
+      jax.ffi.register_ffi_target(name, capsule, platform="CUDA", api_version=1)
+    _registered = True
+
+
+def has_target(name: str) -> bool:
+  module, _ = _extension()
+  return module is not None and name in module.ffi_targets()
+
+
+_announced: set[str] = set()
+
+
+def announce_once(key: str, message: str) -> None:
+  """Logs `message` the first time `key` is seen (e.g. the pure-JAX fallback)."""
+  if key not in _announced:
+    _announced.add(key)
+    logger.warning(message)

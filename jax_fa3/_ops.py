@@ -1,0 +1,99 @@
+"""Attention forward/backward: the Hopper kernels where they apply, else the pure-JAX reference.
+
+Dispatch happens at trace time; `jax.lax.platform_dependent` keeps a computation lowered for the
+CPU on the reference path even on a machine with a Hopper GPU.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fa3 import _ffi, reference
+from jax_fa3._batching import fold_vmap_into_batch
+from jax_fa3._config import AttentionConfig
+
+HEAD_DIM_BUCKETS = (64, 96, 128, 192, 256)
+_KERNEL_DTYPES = {np.dtype(jnp.bfloat16): "bf16", np.dtype(jnp.float16): "fp16"}
+
+
+def head_dim_bucket(head_dim: int) -> int:
+  return next(b for b in HEAD_DIM_BUCKETS if b >= head_dim)
+
+
+def _kernel_unsupported_reason(target: str, q) -> str | None:
+  """None if `target` can run this call on the GPU, else the reason it cannot."""
+  if not _ffi.kernels_available():
+    return _ffi.kernels_unavailable_reason()
+  if not _ffi.has_target(target):
+    return f"this build has no {target} kernel"
+  dtype = _KERNEL_DTYPES.get(np.dtype(q.dtype))
+  if dtype is None:
+    return f"the kernels run bfloat16/float16; {q.dtype} inputs use the pure-JAX path"
+  config = _ffi.build_config()
+  bucket = head_dim_bucket(q.shape[-1])
+  if str(bucket) not in config.get("head_dims", ()) or dtype not in config.get("dtypes", ()):
+    return (f"head_dim bucket {bucket} / {dtype} was not compiled into this build "
+            f"(JAX_FA3_HEAD_DIMS / JAX_FA3_DTYPES at build time)")
+  return None
+
+
+def _use_kernel(target: str, q) -> bool:
+  reason = _kernel_unsupported_reason(target, q)
+  if reason is not None:
+    _ffi.announce_once(reason, f"jax_fa3: using the pure-JAX attention path: {reason}")
+    return False
+  _ffi.ensure_registered()
+  return True
+
+
+def _window_attrs(cfg: AttentionConfig) -> dict:
+  return dict(softmax_scale=np.float32(cfg.softmax_scale), softcap=np.float32(cfg.softcap),
+              window_left=np.int32(cfg.window_left), window_right=np.int32(cfg.window_right))
+
+
+def _forward_kernel(cfg: AttentionConfig):
+  def call(q, k, v):
+    b, s_q, h, _ = q.shape
+    result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                    jax.ShapeDtypeStruct((b, h, s_q), jnp.float32))
+    return jax.ffi.ffi_call("jax_fa3_flash_fwd", result_types)(q, k, v, **_window_attrs(cfg))
+
+  return fold_vmap_into_batch(call)
+
+
+def _backward_kernel(cfg: AttentionConfig):
+  def call(q, k, v, out, lse, dout):
+    result_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    return jax.ffi.ffi_call("jax_fa3_flash_bwd", result_types)(
+        q, k, v, out, dout, lse, deterministic=np.bool_(cfg.deterministic), **_window_attrs(cfg))
+
+  def call_batch_first(q, k, v, out, dout, lse):
+    return call(q, k, v, out, lse, dout)
+
+  batched = fold_vmap_into_batch(call_batch_first)
+  return lambda q, k, v, out, lse, dout: batched(q, k, v, out, dout, lse)
+
+
+def forward(q, k, v, cfg: AttentionConfig):
+  """(out, lse): out like q, lse (batch, heads, seqlen_q) float32."""
+  def ref(q, k, v):
+    return reference.attention_forward(q, k, v, **cfg.kwargs())
+
+  if not _use_kernel("jax_fa3_flash_fwd", q):
+    return ref(q, k, v)
+  return jax.lax.platform_dependent(q, k, v, cuda=_forward_kernel(cfg), default=ref)
+
+
+def backward(q, k, v, out, lse, dout, cfg: AttentionConfig, dlse=None):
+  """(dq, dk, dv) given the forward's out and lse; `dlse` is the cotangent of a returned lse."""
+  def ref(q, k, v, out, lse, dout):
+    if dlse is None:
+      return reference.attention_backward(q, k, v, out, lse, dout, **cfg.kwargs())
+    return reference.attention_backward(q, k, v, out, lse, dout, dlse=dlse, **cfg.kwargs())
+
+  if dlse is not None or not _use_kernel("jax_fa3_flash_bwd", q):
+    # The kernels take no lse cotangent yet: gradients through a returned lse use the reference.
+    return ref(q, k, v, out, lse, dout)
+  return jax.lax.platform_dependent(q, k, v, out, lse, dout, cuda=_backward_kernel(cfg),
+                                    default=ref)

@@ -1,0 +1,95 @@
+"""jax_fa3.hadamard_transform: orthonormal Walsh–Hadamard transform over the last axis.
+
+For a last axis of length d = p·m, p the largest power of two dividing d, the transform is
+block-diagonal: each of the m contiguous blocks of p elements is multiplied by H_p / sqrt(p)
+(the full transform when d is a power of two; three blocks of 32 for d=96, of 64 for d=192).
+It is orthogonal for every d, which is all incoherent processing needs: rotating q and k by the
+same orthogonal R leaves q·k unchanged. An optional ±1 vector `signs` is applied first
+(x -> H·diag(signs)·x), giving a random orthogonal rotation when the signs are random.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fa3 import _ffi
+
+_KERNEL_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+MAX_KERNEL_DIM = 8192
+
+
+def hadamard_block_size(d: int) -> int:
+  """The size p of the diagonal blocks used for a last axis of length d."""
+  return d & (-d)
+
+
+def _hadamard_reference(x, signs):
+  d = x.shape[-1]
+  p = hadamard_block_size(d)
+  compute = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+  y = x.astype(compute)
+  if signs is not None:
+    y = y * signs.astype(compute)
+  lead = y.shape[:-1]
+  # Butterfly stage h: pairs (j, j + h) inside each group of 2h; log2(p) stages, O(d log d).
+  h = 1
+  while h < p:
+    y = y.reshape(lead + (d // (2 * h), 2, h))
+    a, b = y[..., 0, :], y[..., 1, :]
+    y = jnp.stack([a + b, a - b], axis=-2)
+    h *= 2
+  y = y.reshape(lead + (d,)) * (1.0 / np.sqrt(p))
+  return y.astype(x.dtype)
+
+
+def _hadamard_kernel(apply_signs: bool):
+  """The CUDA kernel treats every leading axis as rows, so a vmapped x is just more rows."""
+
+  @jax.custom_batching.custom_vmap
+  def call(x, signs32):
+    return jax.ffi.ffi_call("jax_fa3_hadamard", jax.ShapeDtypeStruct(x.shape, x.dtype))(
+        x, signs32, apply_signs=np.bool_(apply_signs))
+
+  @call.def_vmap
+  def _rule(axis_size, in_batched, x, signs32):
+    x_batched, signs_batched = in_batched
+    if not x_batched:
+      x = jnp.broadcast_to(x[None], (axis_size,) + x.shape)
+    if signs_batched:  # per-lane signs: apply them here, then an unsigned transform
+      lane_signs = signs32.reshape((axis_size,) + (1,) * (x.ndim - 2) + signs32.shape[-1:])
+      x = (x.astype(jnp.float32) * lane_signs).astype(x.dtype)
+      return _hadamard_kernel(False)(x, jnp.ones(signs32.shape[-1:], jnp.float32)), True
+    return call(x, signs32), True
+
+  return call
+
+
+def hadamard_transform(x, *, signs=None):
+  """Orthonormal (block-diagonal when d is not a power of two) Walsh–Hadamard transform.
+
+  Args:
+    x: array (..., d), float32/float64/bfloat16/float16, d >= 1.
+    signs: optional (d,) array (normally ±1) multiplied into x before the transform.
+  Returns:
+    array like x.
+  """
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"x must be a JAX or NumPy array, got {type(x).__name__}")
+  if x.ndim < 1 or x.shape[-1] < 1:
+    raise ValueError(f"x must have rank >= 1 and a non-empty last axis, got shape {x.shape}")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"x must have a floating dtype, got {x.dtype}")
+  d = x.shape[-1]
+  if signs is not None:
+    if not hasattr(signs, "shape") or tuple(signs.shape) != (d,):
+      raise ValueError(f"signs must have shape ({d},) to match the last axis of x, "
+                       f"got {getattr(signs, 'shape', type(signs).__name__)}")
+  if np.dtype(x.dtype) not in _KERNEL_DTYPES or d > MAX_KERNEL_DIM or not _ffi.kernels_available():
+    return _hadamard_reference(x, signs)
+  _ffi.ensure_registered()
+  apply_signs = signs is not None
+  signs32 = (jnp.asarray(signs, jnp.float32) if apply_signs else jnp.ones((d,), jnp.float32))
+
+  return jax.lax.platform_dependent(x, signs32, cuda=_hadamard_kernel(apply_signs),
+                                    default=lambda x, s: _hadamard_reference(x, signs))

@@ -1,0 +1,68 @@
+"""hadamard_transform: orthonormality, agreement with the explicit matrix, block-diagonal d."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fa3
+
+
+def _hadamard_matrix(p):
+  h = np.ones((1, 1))
+  while h.shape[0] < p:
+    h = np.block([[h, h], [h, -h]])
+  return h / np.sqrt(p)
+
+
+def _explicit(x, signs):
+  d = x.shape[-1]
+  p = d & -d
+  block = _hadamard_matrix(p)
+  full = np.kron(np.eye(d // p), block)
+  xs = x * (signs if signs is not None else 1.0)
+  return xs @ full.T
+
+
+@pytest.mark.parametrize("d", [1, 8, 64, 96, 128, 192, 256])
+@pytest.mark.parametrize("with_signs", [False, True])
+def test_matches_explicit_matrix(d, with_signs):
+  rng = np.random.default_rng(d)
+  x = rng.standard_normal((3, 5, d))
+  signs = rng.choice([-1.0, 1.0], size=d) if with_signs else None
+  y = jax_fa3.hadamard_transform(jnp.asarray(x), signs=None if signs is None else jnp.asarray(signs))
+  np.testing.assert_allclose(np.asarray(y), _explicit(x, signs), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2), (jnp.float16, 2e-3)])
+def test_orthonormal_and_involutive(dtype, tol):
+  x = jax.random.normal(jax.random.PRNGKey(0), (4, 7, 128), dtype)
+  y = jax_fa3.hadamard_transform(x)
+  assert y.dtype == dtype and y.shape == x.shape
+  back = jax_fa3.hadamard_transform(y)  # H is symmetric and orthonormal: H·H = I
+  rel = jnp.linalg.norm((back - x).astype(jnp.float32)) / jnp.linalg.norm(x.astype(jnp.float32))
+  assert float(rel) < tol
+
+
+def test_preserves_inner_products_of_rotated_pairs():
+  key = jax.random.PRNGKey(1)
+  q, k = jax.random.normal(key, (2, 16, 64))
+  signs = jnp.where(jax.random.bernoulli(key, 0.5, (64,)), 1.0, -1.0)
+  rq, rk = (jax_fa3.hadamard_transform(x, signs=signs) for x in (q, k))
+  np.testing.assert_allclose(np.asarray(rq @ rk.T), np.asarray(q @ k.T), rtol=1e-5, atol=1e-4)
+
+
+def test_vmap_and_jit():
+  x = jax.random.normal(jax.random.PRNGKey(2), (3, 4, 32))
+  y = jax.jit(jax.vmap(jax_fa3.hadamard_transform))(x)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(jax_fa3.hadamard_transform(x)), rtol=1e-6)
+
+
+def test_bad_inputs():
+  with pytest.raises(TypeError, match="x must be a JAX or NumPy array"):
+    jax_fa3.hadamard_transform([1.0, 2.0])
+  with pytest.raises(TypeError, match="floating dtype"):
+    jax_fa3.hadamard_transform(jnp.ones((4, 8), jnp.int32))
+  with pytest.raises(ValueError, match=r"signs must have shape \(8,\)"):
+    jax_fa3.hadamard_transform(jnp.ones((4, 8)), signs=jnp.ones((4,)))
+  with pytest.raises(ValueError, match="rank >= 1"):
+    jax_fa3.hadamard_transform(jnp.ones(()))
