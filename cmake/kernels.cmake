@@ -39,7 +39,7 @@ add_library(jax_fa3_kernels SHARED ${_sources})
 set_target_properties(jax_fa3_kernels PROPERTIES
   CUDA_ARCHITECTURES OFF          # the -gencode below: sm_90a (wgmma, setmaxnreg) needs the 'a' target
   CUDA_STANDARD 17 CXX_STANDARD 17 POSITION_INDEPENDENT_CODE ON
-  CUDA_SEPARABLE_COMPILATION OFF
+  CUDA_SEPARABLE_COMPILATION OFF CUDA_RUNTIME_LIBRARY Static
   CXX_VISIBILITY_PRESET hidden CUDA_VISIBILITY_PRESET hidden)
 target_include_directories(jax_fa3_kernels PUBLIC "${PROJECT_SOURCE_DIR}/cuda")
 target_include_directories(jax_fa3_kernels SYSTEM PRIVATE "${XLA_FFI_INCLUDE_DIR}" "${CUTLASS_INCLUDE_DIR}")
@@ -47,4 +47,6 @@ target_compile_definitions(jax_fa3_kernels PRIVATE ${_defs})
 target_compile_options(jax_fa3_kernels PRIVATE
   $<$<COMPILE_LANGUAGE:CUDA>:-gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr
      --use_fast_math -lineinfo --threads=${JAX_FA3_NVCC_THREADS} -Xptxas=--warn-on-spills>)
-target_link_libraries(jax_fa3_kernels PUBLIC CUDA::cudart)
+# Static cudart: the library then loads on any machine with a driver, whatever CUDA runtime
+# (if any) the JAX wheels bring; streams are driver objects shared with XLA's runtime.
+target_link_libraries(jax_fa3_kernels PUBLIC CUDA::cudart_static)

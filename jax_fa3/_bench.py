@@ -1,0 +1,81 @@
+"""Timing and peer plumbing shared by `python -m jax_fa3` and benchmarks/bench_attention.py."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_fa3
+from jax_fa3 import reference
+
+
+def attention_flops(b, h, s_q, s_k, d, causal, direction="fwd") -> float:
+  """FlashAttention's count: 4·b·h·s_q·s_k·d forward (halved when causal), backward 2.5×."""
+  flops = 4.0 * b * h * s_q * s_k * d * (0.5 if causal else 1.0)
+  return flops * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[direction]
+
+
+def median_seconds(fn: Callable, *args, min_time=0.2, repeats=7) -> float:
+  """Median over `repeats` of the per-call time of back-to-back asynchronous launches."""
+  jax.block_until_ready(fn(*args))  # compile + warm up
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  once = max(time.perf_counter() - t0, 1e-6)
+  iters = max(1, min(200, int(min_time / once)))
+  samples = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    outs = [fn(*args) for _ in range(iters)]
+    jax.block_until_ready(outs)
+    samples.append((time.perf_counter() - t0) / iters)
+  return statistics.median(samples)
+
+
+@dataclasses.dataclass
+class Peer:
+  name: str
+  forward: Callable          # (q, k, v) -> out, under jit
+  dtype: object = None       # force this input dtype (e.g. Pallas MGPU runs fp16 only)
+
+
+def _dpa(implementation, causal):
+  def f(q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+  return f
+
+
+def peers(causal: bool, on_gpu: bool) -> list[Peer]:
+  out = [Peer("jax_fa3", lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=causal)),
+         Peer("xla", _dpa("xla", causal))]
+  if on_gpu:
+    out.append(Peer("cudnn", _dpa("cudnn", causal)))
+    try:
+      from jax.experimental.pallas.ops.gpu import attention_mgpu  # noqa: PLC0415
+      # JAX's own tuned setting for H100 (attention_mgpu's benchmark): 2 WGs of 64 query rows.
+      config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
+                                           causal=causal)
+      def mgpu(q, k, v):
+        return attention_mgpu.attention(q, k, v, config)
+      out.append(Peer("pallas_mgpu", mgpu, dtype=jnp.float16))
+    except Exception:  # noqa: BLE001 (optional peer; absent in older JAX)
+      pass
+  return out
+
+
+def relative_error(out, q, k, v, causal) -> float:
+  """‖out − ref‖/‖ref‖ against the fp32 reference on the same (rounded) inputs."""
+  f32 = lambda x: x.astype(jnp.float32)
+  ref, _ = reference.attention_forward(f32(q), f32(k), f32(v), softmax_scale=1 / np.sqrt(q.shape[-1]),
+                                       window_right=0 if causal else -1)
+  diff = jnp.linalg.norm(f32(out) - ref)
+  return float(diff / jnp.linalg.norm(ref))
+
+
+def random_qkv(key, b, s, h, d, dtype):
+  kq, kk, kv = jax.random.split(key, 3)
+  return tuple(jax.random.normal(kk_, (b, s, h, d), jnp.float32).astype(dtype) for kk_ in (kq, kk, kv))
