@@ -1,5 +1,6 @@
 // nanobind module: hands Python one PyCapsule per XLA FFI handler. Nothing else lives here.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
 
 #include "ffi/registry.h"
 
