@@ -1,0 +1,470 @@
+"""FP8 (e4m3) attention forward: block quantization and incoherent processing.
+
+Public entry points: `quantize_fp8`, `dequantize_fp8` and `flash_attention_fp8`.
+
+Numerics (the contract the CUDA kernel `jax_fa3_flash_fwd_fp8` implements, and that the pure-JAX
+path emulates: same e4m3 rounding, same blocks, same scales):
+
+1. Incoherent processing (optional, on by default): q and k are multiplied by the same orthogonal
+   matrix R = H·diag(signs) over head_dim (`hadamard_transform`, computed in float32 from the
+   inputs). q·k is unchanged in exact arithmetic; an outlier coordinate is spread over all of them.
+   V is not rotated.
+2. Quantization: q and k get one float32 scale per (batch, head, block of `block_size` tokens)
+   (default 64); v gets one scale per (batch, kv-head). A scale is amax(|block|) / 448 (448 being
+   e4m3's largest finite value; 1.0 for an all-zero block, and never below float32's smallest normal)
+   and the values are e4m3(clip(x / scale, -448, 448)): float32 division, round to nearest even,
+   saturating (CUDA's `__NV_SATFINITE`).
+3. Scores: S = (q8 · k8) in float32 (each e4m3×e4m3 product is exact), then descaled per element by
+   softmax_scale · q_scale[row block] · k_scale[column block].
+4. Softmax: online over key tiles (`EMULATION_TILE_K` = 128 keys here; the kernel's kBlockN there),
+   P = exp(S - running max) computed in the exp2 domain as the kernel does. P is quantized as
+   e4m3(2^8 · P): P ∈ [0, 1] is shifted by FlashAttention-3's `Max_offset = 8` so that it uses
+   e4m3's range [2^-9, 448] (values below 2^-17 flush to zero, below 2^-14 are subnormal) — no
+   per-row or per-tile scale is needed because the shift is an exact power of two. The row sum is
+   accumulated from the float32 P before quantization (as FA3 does).
+5. O = (Σ P8 · v8) · v_scale / (2^8 · row sum), accumulated in float32, rounded to bfloat16 (the
+   kernel's output type), then cast to q's dtype. LSE is float32, natural log, of the descaled
+   scores (+inf and output 0 for rows that see no key).
+
+Agreement with the kernel is exact in every quantization step; the remaining differences are
+float32 operation order, the key tile width (the running max at which P is quantized) and the
+Hopper fp8 tensor-core accumulator, whose internal precision is below float32.
+
+Gradients are straight-through: the custom_vjp backward recomputes the bf16/fp16/fp32 forward
+(`_ops.forward`) on the unquantized, unrotated inputs and runs `_ops.backward` on them, so the
+gradient equals exactly that of `flash_attention` at the same inputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_fa3 import _ffi, _ops, reference
+from jax_fa3._batching import fold_vmap_into_batch
+from jax_fa3._config import AttentionConfig
+from jax_fa3._validation import (attention_config, check_array, check_attention_dtypes,
+                                 check_attention_shapes, check_bool, check_softmax_scale,
+                                 check_window)
+from jax_fa3.hadamard import hadamard_transform
+
+E4M3 = jnp.float8_e4m3fn
+E4M3_MAX = 448.0
+P_OFFSET_LOG2 = 8  # FA3's Max_offset for fp8: P is quantized as e4m3(2^8 · P)
+DEFAULT_BLOCK_SIZE = 64
+EMULATION_TILE_K = 128
+FP8_INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+KERNEL_TARGET = "jax_fa3_flash_fwd_fp8"
+DEFAULT_SEED = 0  # key=None means jax.random.PRNGKey(DEFAULT_SEED)
+
+_HIGHEST = lax.Precision.HIGHEST
+_TINY = float(np.finfo(np.float32).tiny)
+_LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+  """Static options of one fp8 attention call (hashable: a custom_vjp nondiff argument)."""
+
+  attention: AttentionConfig
+  block_size: int = DEFAULT_BLOCK_SIZE
+  incoherent: bool = True
+  return_lse: bool = False
+  tile_k: int = EMULATION_TILE_K
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantization
+# ---------------------------------------------------------------------------------------------
+
+def _check_block_size(block_size, allow_none: bool) -> int | None:
+  if block_size is None:
+    if allow_none:
+      return None
+    return DEFAULT_BLOCK_SIZE
+  if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
+    raise TypeError(f"block_size must be a positive int{' or None' if allow_none else ''}, "
+                    f"got {block_size!r}")
+  if block_size < 1:
+    raise ValueError(f"block_size must be a positive int, got {block_size}")
+  return int(block_size)
+
+
+def _scale_from_amax(amax):
+  """float32 scale = amax / 448, 1.0 where amax == 0, at least float32's smallest normal."""
+  amax = amax.astype(jnp.float32)
+  scale = jnp.maximum(amax / jnp.float32(E4M3_MAX), jnp.float32(_TINY))
+  return jnp.where(amax > 0, scale, jnp.float32(1.0))
+
+
+def _to_e4m3(x):
+  """Round float32 x to e4m3 (nearest even), saturating to ±448 (NaN stays NaN)."""
+  return jnp.clip(x, -E4M3_MAX, E4M3_MAX).astype(E4M3)
+
+
+def _per_token(scales, block_size, seqlen):
+  """(b, h, n_blocks) scales -> (b, seqlen, h, 1): the scale of each token's block."""
+  per_token = jnp.repeat(scales, block_size, axis=-1)[..., :seqlen]
+  return jnp.swapaxes(per_token, 1, 2)[..., None]
+
+
+def _quantize(x, block_size):
+  """(values e4m3 (b, s, h, d), scales f32 (b, h, n_blocks)); block_size None: one block."""
+  b, s, h, d = x.shape
+  block = s if block_size is None else block_size
+  n = -(-s // block)
+  xf = x.astype(jnp.float32)
+  padded = jnp.pad(jnp.abs(xf), ((0, 0), (0, n * block - s), (0, 0), (0, 0)))
+  amax = padded.reshape(b, n, block, h, d).max(axis=(2, 4))  # (b, n, h)
+  scales = _scale_from_amax(jnp.swapaxes(amax, 1, 2))  # (b, h, n)
+  values = _to_e4m3(xf / _per_token(scales, block, s))
+  return values, scales
+
+
+def _check_4d_float(name, x, allowed):
+  check_array(name, x, rank=4)
+  if not any(x.dtype == np.dtype(t) for t in allowed):
+    names = ", ".join(np.dtype(t).name for t in allowed)
+    raise TypeError(f"{name} must have a floating dtype in ({names}), got {x.dtype}")
+
+
+def quantize_fp8(x, *, block_size=DEFAULT_BLOCK_SIZE):
+  """Quantizes x to e4m3 with one float32 scale per (batch, head, block of tokens).
+
+  For each block of `block_size` consecutive tokens of one (batch, head) — the last block may be
+  shorter — `scale = amax(|block|) / 448` (448 = e4m3's largest finite value; an all-zero block
+  gets scale 1.0, and no scale is below float32's smallest normal) and
+  `values = e4m3(clip(float32(x) / scale, -448, 448))`, rounding to nearest even. Every element of a
+  block is therefore represented with e4m3's relative precision (a step of 2^-3 relative to the
+  power of two below it, so a rounding error of at most 2^-4 relative) unless it is more than
+  2^15 times smaller than the block's largest (e4m3's subnormal range). Non-finite inputs give NaN
+  scales/values for their block.
+
+  Args:
+    x: (batch, seqlen, heads, head_dim), float32/bfloat16/float16/float64 (quantized from its
+      float32 value).
+    block_size: tokens per scale (default 64); None for one scale per (batch, head).
+
+  Returns:
+    (values, scales): values float8_e4m3fn with x's shape; scales float32
+    (batch, heads, ceil(seqlen / block_size)). `dequantize_fp8(values, scales,
+    block_size=block_size)` approximates x.
+  """
+  _check_4d_float("x", x, FP8_INPUT_DTYPES + (jnp.float64,))
+  block_size = _check_block_size(block_size, allow_none=True)
+  return _quantize(x, block_size)
+
+
+def _check_quantized(name, values, scales, block_size, allow_per_head=False):
+  """Validates a (values, scales) pair; returns scales as (b, h, n_blocks)."""
+  check_array(f"{name} values", values, rank=4)
+  if values.dtype != np.dtype(E4M3):
+    raise TypeError(f"{name} values must be float8_e4m3fn, got {values.dtype}")
+  check_array(f"{name} scales", scales)
+  if scales.dtype != np.dtype(jnp.float32):
+    raise TypeError(f"{name} scales must be float32, got {scales.dtype}")
+  b, s, h, _ = values.shape
+  n = -(-s // (s if block_size is None else block_size))
+  expected = (b, h, n)
+  if allow_per_head and tuple(scales.shape) == (b, h):
+    return scales[..., None]
+  if tuple(scales.shape) != expected:
+    how = ("one scale per (batch, head): quantize_fp8(v, block_size=None)" if block_size is None
+           else f"block_size={block_size}")
+    raise ValueError(f"{name} scales must have shape {expected} (batch, heads, blocks) for "
+                     f"values of shape {values.shape} with {how}, got {tuple(scales.shape)}")
+  return scales
+
+
+def dequantize_fp8(values, scales, *, block_size=DEFAULT_BLOCK_SIZE, dtype=jnp.float32):
+  """The inverse of quantize_fp8: float32(values) * scale of each token's block, cast to dtype.
+
+  Args:
+    values: float8_e4m3fn (batch, seqlen, heads, head_dim).
+    scales: float32 (batch, heads, ceil(seqlen / block_size)).
+    block_size: the block size used to quantize (default 64; None for one block per head).
+    dtype: result dtype (default float32).
+  """
+  block_size = _check_block_size(block_size, allow_none=True)
+  scales = _check_quantized("x", values, scales, block_size)
+  block = values.shape[1] if block_size is None else block_size
+  return (values.astype(jnp.float32) * _per_token(scales, block, values.shape[1])).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fp8 forward: kernel or emulation
+# ---------------------------------------------------------------------------------------------
+
+def _emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
+  """Pure-JAX emulation of the kernel's numerics (see the module docstring). -> (out bf16, lse)."""
+  b, s_q, h, d = q8.shape
+  s_k, h_k = k8.shape[1], k8.shape[2]
+  att = cfg.attention
+  block_q = max(1, min(256, s_q))  # query blocking does not change the numerics (rows independent)
+  block_k = max(1, min(cfg.tile_k, s_k))  # a shorter sequence: one tile, same numerics
+  problem = reference._Problem(s_q, s_k, block_q, block_k, att.softmax_scale, att.window_left,
+                               att.window_right, 0.0, jnp.float32)
+  f32 = jnp.float32
+  row_descale = (_per_token(q_scale, cfg.block_size, s_q) *
+                 f32(att.softmax_scale * _LOG2E))  # (b, s_q, h, 1), log2 domain
+  q_blocks = reference._block_queries(q8.astype(f32), block_q, h_k)  # (nq, b, bq, h_k, g, d)
+  row_blocks = reference._block_queries(row_descale, block_q, h_k)[..., 0]  # (nq, b, bq, h_k, g)
+  k_blocks = reference._block_keys(k8.astype(f32), block_k)  # (nk, b, bk, h_k, d)
+  col_blocks = reference._block_keys(_per_token(k_scale, cfg.block_size, s_k), block_k)[..., 0]
+  v_blocks = reference._block_keys(v8.astype(f32), block_k)
+  p_offset = f32(2.0 ** P_OFFSET_LOG2)
+
+  def per_query_block(args):
+    q_block, row_block, q_index = args
+    row = jnp.einsum("bqhg->bhgq", row_block)[..., None]  # (b, h_k, g, bq, 1)
+    _, block_rows, _, group, _ = q_block.shape
+
+    def step(carry, inputs):
+      row_max, row_sum, acc = carry
+      k_block, col_block, v_block, k_index = inputs
+      raw = jnp.einsum("bqhgd,bkhd->bhgqk", q_block, k_block, precision=_HIGHEST)
+      col = jnp.einsum("bkh->bhk", col_block)[:, :, None, None, :]  # (b, h_k, 1, 1, bk)
+      scores = raw * row * col  # log2-domain scores
+      scores = jnp.where(problem.visible(q_index, k_index), scores, -jnp.inf)
+      new_max = jnp.maximum(row_max, scores.max(axis=-1))
+      shift = jnp.where(jnp.isneginf(new_max), 0.0, new_max)
+      rescale = jnp.exp2(row_max - shift)
+      probs = jnp.exp2(scores - shift[..., None])
+      row_sum = row_sum * rescale + probs.sum(axis=-1)
+      probs8 = _to_e4m3(probs * p_offset).astype(f32)
+      acc = acc * rescale[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", probs8, v_block,
+                                                 precision=_HIGHEST)
+      return (new_max, row_sum, acc), None
+
+    stats = (b, h_k, group, block_rows)
+    init = (jnp.full(stats, -jnp.inf, f32), jnp.zeros(stats, f32), jnp.zeros(stats + (d,), f32))
+    (row_max, row_sum, acc), _ = lax.scan(
+        step, init, (k_blocks, col_blocks, v_blocks, jnp.arange(k_blocks.shape[0])))
+    empty = row_sum == 0
+    safe_sum = jnp.where(empty, 1.0, row_sum)
+    v_descale = v_scale[:, :, None, None] / p_offset  # (b, h_k, 1, 1)
+    out = jnp.where(empty[..., None], 0.0, acc * (v_descale / safe_sum)[..., None])
+    lse = jnp.where(empty, jnp.inf, (row_max + jnp.log2(safe_sum)) * f32(math.log(2.0)))
+    return jnp.einsum("bhgqd->bqhgd", out), lse
+
+  out_blocks, lse_blocks = lax.map(per_query_block,
+                                   (q_blocks, row_blocks, jnp.arange(q_blocks.shape[0])))
+  out = reference._unblock_queries(out_blocks, s_q).astype(jnp.bfloat16)
+  lse = reference._unblock_row_stats(lse_blocks, s_q)
+  return out, lse
+
+
+def _kernel_forward(cfg: Fp8Config):
+  att = cfg.attention
+
+  def call(q8, k8, v8, q_scale, k_scale, v_scale):
+    b, s_q, h, _ = q8.shape
+    result_types = (jax.ShapeDtypeStruct(q8.shape, jnp.bfloat16),
+                    jax.ShapeDtypeStruct((b, h, s_q), jnp.float32))
+    return jax.ffi.ffi_call(KERNEL_TARGET, result_types)(
+        q8, k8, v8, q_scale, k_scale, v_scale, softmax_scale=np.float32(att.softmax_scale),
+        window_left=np.int32(att.window_left), window_right=np.int32(att.window_right),
+        block_size=np.int32(cfg.block_size))
+
+  return fold_vmap_into_batch(call)
+
+
+def _kernel_unavailable_reason() -> str | None:
+  if not _ffi.kernels_available():
+    return _ffi.kernels_unavailable_reason()
+  if not _ffi.has_target(KERNEL_TARGET):
+    return f"this build has no {KERNEL_TARGET} kernel"
+  return None
+
+
+def fp8_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
+  """(out bf16, lse f32) from quantized inputs: v_scale (b, h_k). Kernel on Hopper, else emulated."""
+  emulate = functools.partial(_emulated_forward, cfg=cfg)
+  reason = _kernel_unavailable_reason()
+  if reason is not None:
+    _ffi.announce_once(f"fp8:{reason}", f"jax_fa3: emulating the fp8 attention kernel in pure "
+                       f"JAX: {reason}")
+    return emulate(q8, k8, v8, q_scale, k_scale, v_scale)
+  _ffi.ensure_registered()
+  return lax.platform_dependent(q8, k8, v8, q_scale, k_scale, v_scale,
+                                cuda=_kernel_forward(cfg), default=emulate)
+
+
+def _rotate_and_quantize(q, k, v, signs, cfg: Fp8Config):
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  if cfg.incoherent:
+    q = hadamard_transform(q, signs=signs)
+    k = hadamard_transform(k, signs=signs)
+  q8, q_scale = _quantize(q, cfg.block_size)
+  k8, k_scale = _quantize(k, cfg.block_size)
+  v8, v_scale = _quantize(v, None)
+  return q8, k8, v8, q_scale, k_scale, v_scale[..., 0]
+
+
+@functools.partial(jax.jit, static_argnums=(4,))
+def _fp8_from_float(q, k, v, signs, cfg: Fp8Config):
+  out, lse = fp8_forward(*_rotate_and_quantize(q, k, v, signs, cfg), cfg)
+  return out.astype(q.dtype), lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Differentiation: straight-through to the unquantized attention
+# ---------------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fp8_attention(q, k, v, signs, cfg: Fp8Config):
+  return _fp8_from_float(q, k, v, signs, cfg)
+
+
+def _fp8_attention_fwd(q, k, v, signs, cfg):
+  return _fp8_from_float(q, k, v, signs, cfg), (q, k, v, signs)
+
+
+def _fp8_attention_bwd(cfg, residuals, cotangents):
+  q, k, v, signs = residuals
+  dout, dlse = cotangents
+  # The bf16 backward recomputes P = exp(S - lse) from the unquantized scores, so it needs the lse
+  # (and out, for D = rowsum(dO·O)) of the unquantized forward: the fp8 ones differ by the fp8
+  # error and would give a P that does not sum to one.
+  out, lse = _ops.forward(q, k, v, cfg.attention)
+  dq, dk, dv = _ops.backward(q, k, v, out, lse, dout.astype(q.dtype), cfg.attention,
+                             dlse=dlse if cfg.return_lse else None)
+  return dq, dk, dv, jnp.zeros_like(signs)
+
+
+_fp8_attention.defvjp(_fp8_attention_fwd, _fp8_attention_bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+def _is_pair(x) -> bool:
+  return isinstance(x, (tuple, list))
+
+
+def _random_signs(key, d):
+  if key is None:
+    key = jax.random.PRNGKey(DEFAULT_SEED)
+  try:
+    return jax.random.rademacher(key, (d,), dtype=jnp.float32)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"key must be a JAX PRNG key (jax.random.key or jax.random.PRNGKey), "
+                    f"got {getattr(key, 'dtype', type(key).__name__)} "
+                    f"{getattr(key, 'shape', '')}: {e}") from None
+
+
+def _check_signs(signs, d):
+  check_array("signs", signs)
+  if tuple(signs.shape) != (d,):
+    raise ValueError(f"signs must have shape ({d},) (head_dim), got {tuple(signs.shape)}")
+  if not jnp.issubdtype(signs.dtype, jnp.floating) and not jnp.issubdtype(signs.dtype,
+                                                                          jnp.integer):
+    raise TypeError(f"signs must be a float or int array of ±1, got {signs.dtype}")
+  if not isinstance(signs, jax.core.Tracer):
+    values = np.asarray(signs)
+    if not np.all(np.abs(values) == 1):
+      raise ValueError("signs must contain only +1 and -1 (otherwise the rotation is not "
+                       "orthogonal and q·k changes)")
+  return jnp.asarray(signs, jnp.float32)
+
+
+def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                        incoherent=True, block_size=None, key=None, signs=None,
+                        return_lse=False):
+  """Attention with q, k, v quantized to FP8 (e4m3): FlashAttention-3's FP8 forward.
+
+  q and k are rotated by the same random orthogonal matrix H·diag(signs) (incoherent processing,
+  `hadamard_transform`), then q and k are quantized to e4m3 with one float32 scale per (batch,
+  head, block of `block_size` tokens) and v with one scale per (batch, kv-head); the attention runs
+  on the fp8 values (P quantized as e4m3(2^8·P)), accumulates in float32 and returns bfloat16 from
+  the kernel. See the docstring of `jax_fa3.fp8` for the exact numerics; without a Hopper GPU and
+  the fp8 kernel, a pure-JAX path emulates them exactly (announced once on the `jax_fa3` logger).
+
+  Args:
+    q: (batch, seqlen_q, heads, head_dim) float32/bfloat16/float16; or a pair (values, scales)
+      from `quantize_fp8(q, block_size=block_size)`.
+    k, v: (batch, seqlen_k, heads_k, head_dim), like q (heads a multiple of heads_k: GQA/MQA).
+      Pre-quantized: k as `quantize_fp8(k, block_size=block_size)`, v as
+      `quantize_fp8(v, block_size=None)` (scales (batch, heads_k, 1) or (batch, heads_k)).
+      Either all three are arrays or all three are pairs; pairs need `incoherent=False` (rotate
+      q and k with `hadamard_transform(x, signs=...)` before quantizing them) and are not
+      differentiable.
+    softmax_scale, causal, window_size: as for `flash_attention` (default scale 1/sqrt(head_dim)).
+    incoherent: rotate q and k before quantizing (default True). `key`/`signs` are ignored when
+      False.
+    block_size: tokens per q/k scale (default 64).
+    key: JAX PRNG key for the random ±1 signs (default `jax.random.PRNGKey(0)`, so that calls
+      are deterministic; pass your own key to re-draw the rotation).
+    signs: (head_dim,) array of ±1 to use instead of drawing them from `key` (e.g. a stored
+      model variable); give `key` or `signs`, not both.
+    return_lse: also return the float32 (batch, heads, seqlen_q) natural-log log-sum-exp of the
+      (fp8) scores.
+
+  Returns:
+    out (batch, seqlen_q, heads, head_dim) in q's dtype (bfloat16 for pre-quantized inputs), or
+    (out, lse) when return_lse.
+
+  Gradients are straight-through: the backward is that of `flash_attention` (bf16/fp16/fp32) at
+  the unquantized, unrotated inputs — it recomputes their forward, then runs its backward.
+  """
+  pairs = [_is_pair(x) for x in (q, k, v)]
+  causal = check_bool("causal", causal)
+  incoherent = check_bool("incoherent", incoherent)
+  return_lse = check_bool("return_lse", return_lse)
+  if any(pairs):
+    return _flash_attention_prequantized(q, k, v, pairs, softmax_scale=softmax_scale,
+                                         causal=causal, window_size=window_size,
+                                         incoherent=incoherent, block_size=block_size,
+                                         return_lse=return_lse)
+  check_attention_shapes(q, k, v)
+  check_attention_dtypes(q, k, v, allowed=FP8_INPUT_DTYPES)
+  att = attention_config(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                         window_size=window_size, softcap=0.0, deterministic=False)
+  cfg = Fp8Config(att, block_size=_check_block_size(block_size, allow_none=False),
+                  incoherent=incoherent, return_lse=return_lse)
+  d = q.shape[-1]
+  if incoherent:
+    if signs is not None and key is not None:
+      raise ValueError("give key (to draw random signs) or signs, not both")
+    signs = _check_signs(signs, d) if signs is not None else _random_signs(key, d)
+  else:
+    signs = jnp.ones((d,), jnp.float32)  # unused
+  out, lse = _fp8_attention(q, k, v, signs, cfg)
+  return (out, lse) if return_lse else out
+
+
+def _flash_attention_prequantized(q, k, v, pairs, *, softmax_scale, causal, window_size,
+                                  incoherent, block_size, return_lse):
+  if not all(pairs):
+    raise TypeError("q, k and v must be all arrays or all (values, scales) pairs from "
+                    "quantize_fp8, got " + ", ".join(
+                        f"{n}={'pair' if p else 'array'}" for n, p in zip("qkv", pairs)))
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if len(x) != 2:
+      raise TypeError(f"pre-quantized {name} must be a (values, scales) pair, got {len(x)} items")
+  if incoherent:
+    raise ValueError("pre-quantized q and k cannot be rotated here: rotate them with "
+                     "hadamard_transform(x, signs=...) before quantize_fp8 and pass "
+                     "incoherent=False")
+  block_size = _check_block_size(block_size, allow_none=False)
+  (q8, q_scale), (k8, k_scale), (v8, v_scale) = q, k, v
+  check_attention_shapes(q8, k8, v8)
+  q_scale = _check_quantized("q", q8, q_scale, block_size)
+  k_scale = _check_quantized("k", k8, k_scale, block_size)
+  v_scale = _check_quantized("v", v8, v_scale, None, allow_per_head=True)
+  left, right = check_window(window_size)
+  if causal:
+    if right > 0:
+      raise ValueError(f"causal=True means window_size right = 0; got window_size={window_size!r}")
+    right = 0
+  att = AttentionConfig(softmax_scale=check_softmax_scale(softmax_scale, q8.shape[-1]),
+                        window_left=left, window_right=right)
+  cfg = Fp8Config(att, block_size=block_size, incoherent=False, return_lse=return_lse)
+  out, lse = fp8_forward(q8, k8, v8, q_scale, k_scale, v_scale[..., 0], cfg)
+  return (out, lse) if return_lse else out
