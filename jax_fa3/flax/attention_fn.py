@@ -1,0 +1,177 @@
+"""`dot_product_attention`: a drop-in `attention_fn` for Flax's attention layers.
+
+It takes the exact call of `flax.linen.dot_product_attention` and `flax.nnx.dot_product_attention`
+(as `flax.linen.MultiHeadDotProductAttention` and `flax.nnx.MultiHeadAttention` make it), runs
+`jax_fa3.flash_attention` (or `flash_attention_fp8`), and refuses — with a ValueError/TypeError that
+names the alternative — what flash attention cannot honour: bias and mask arrays, attention-weight
+dropout, sowing attention weights, custom einsums. Our own options are keywords, bound with
+`functools.partial(jax_fa3.flax.dot_product_attention, causal=True, ...)`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax.numpy as jnp
+
+from jax_fa3.attention import flash_attention
+from jax_fa3._validation import check_bool, check_softcap, check_window
+
+_PARTIAL_HINT = "functools.partial(jax_fa3.flax.dot_product_attention, causal=True)"
+
+
+def check_no_dropout(dropout_rate: float, deterministic: bool | None) -> None:
+  """Flash attention never forms the attention weights, so it cannot drop them out."""
+  if dropout_rate and dropout_rate > 0.0 and not deterministic:
+    raise ValueError(
+        f"jax_fa3 attention cannot apply attention-weight dropout (dropout_rate={dropout_rate} "
+        f"with deterministic=False): flash attention never materializes the weights. Use "
+        f"dropout_rate=0.0 (dropout on the layer output or residual instead), or call with "
+        f"deterministic=True for inference.")
+
+
+def check_no_weights_introspection(module: Any) -> None:
+  if module is not None:
+    raise ValueError(
+        "jax_fa3 attention cannot sow attention weights (sow_weights=True / module=...): flash "
+        "attention never materializes them. For introspection compute them with "
+        "flax.linen.dot_product_attention_weights on the same query and key.")
+
+
+def _check_unsupported_arrays(bias, mask) -> None:
+  if bias is not None:
+    raise ValueError(
+        "jax_fa3 attention takes no bias array: only causal / sliding-window visibility and "
+        "softcap are supported, as keywords, e.g. " + _PARTIAL_HINT + " or "
+        "functools.partial(jax_fa3.flax.dot_product_attention, window_size=(256, 0)). For an "
+        "arbitrary bias use flax's default dot_product_attention.")
+  if mask is not None:
+    raise ValueError(
+        "jax_fa3 attention takes no mask array (also what decode=True and sequence padding "
+        "produce): express causal or sliding-window masks as keywords, e.g. " + _PARTIAL_HINT +
+        " or window_size=(left, right) (FlashAttention's bottom-right alignment), or layer "
+        "options causal=/window_size=. For an arbitrary mask use flax's default "
+        "dot_product_attention.")
+
+
+def _promote(query, key, value, dtype, promote_dtype: Callable | None):
+  """Flax's dtype rule: cast q, k, v to `dtype`, or to their common type when it is None."""
+  if promote_dtype is not None:  # nnx's hook: takes the tuple and a dtype keyword
+    return promote_dtype((query, key, value), dtype=dtype)
+  dtype = jnp.result_type(query, key, value) if dtype is None else dtype
+  return tuple(jnp.asarray(x, dtype) for x in (query, key, value))
+
+
+def _to_rank4(x, batch_shape):
+  """(batch..., length, heads, head_dim) -> (prod(batch), length, heads, head_dim)."""
+  return jnp.reshape(x, (math.prod(batch_shape),) + x.shape[-3:])
+
+
+def _flash_attention_fp8():
+  # Imported lazily: jax_fa3.fp8 may land after this module, and fp8=False never needs it.
+  import jax_fa3
+  fn = getattr(jax_fa3, "flash_attention_fp8", None)
+  if fn is None:
+    try:
+      from jax_fa3.fp8 import flash_attention_fp8 as fn
+    except ImportError as err:
+      raise NotImplementedError(
+          "fp8=True needs jax_fa3.flash_attention_fp8, which this jax_fa3 lacks") from err
+  return fn
+
+
+def dot_product_attention(
+    query, key, value, bias=None, mask=None, broadcast_dropout: bool = True, dropout_rng=None,
+    dropout_rate: float = 0.0, deterministic: bool = False, dtype=None, precision=None,
+    module=None, *,
+    # Passed by flax.linen layers; accepted so the call matches, refused when they ask for more.
+    force_fp32_for_softmax: bool = False, einsum_dot_general=None, qk_attn_weights_einsum=None,
+    attn_weights_value_einsum=None,
+    # Passed by flax.nnx layers.
+    promote_dtype: Callable | None = None, is_causal: bool = False,
+    # jax_fa3 options (bind them with functools.partial).
+    causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    softmax_scale: float | None = None, deterministic_backward: bool = False,
+    fp8: bool = False, incoherent: bool = True, block_size=None, signs=None, rotation_key=None):
+  """Flash attention with the call signature of Flax's `dot_product_attention`.
+
+  Args:
+    query: (batch..., q_length, heads, head_dim); batch dims may be absent or several.
+    key, value: (batch..., kv_length, kv_heads, head_dim); heads a multiple of kv_heads (GQA).
+    bias, mask: must be None (see causal / window_size).
+    broadcast_dropout, dropout_rng: accepted and unused (no dropout is ever applied).
+    dropout_rate, deterministic: dropout_rate > 0 with deterministic=False is refused.
+      `deterministic` is Flax's "no dropout" flag; see deterministic_backward for ours.
+    dtype: compute dtype; None promotes q, k, v to their common dtype, as Flax does.
+    precision: accepted and unused: scores and softmax always accumulate in float32 (float64
+      for float64 inputs).
+    module: must be None (attention weights cannot be sown).
+    force_fp32_for_softmax: accepted; the softmax is always float32 here.
+    einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum: must be None.
+    promote_dtype: nnx's dtype-promotion hook, applied to (query, key, value) if given.
+    is_causal: nnx's flag, top-left aligned causal mask (jax.nn.dot_product_attention); the same
+      as causal=True when q_length == kv_length and refused otherwise.
+    causal: query i sees keys j <= i + kv_length - q_length (FlashAttention bottom-right).
+    window_size: (left, right) sliding window, -1 unbounded; see jax_fa3.flash_attention.
+    softcap: if > 0, scores become softcap * tanh(scores / softcap).
+    softmax_scale: defaults to 1/sqrt(head_dim), Flax's scale.
+    deterministic_backward: bit-reproducible gradients (flash_attention's `deterministic`).
+    fp8: run jax_fa3.flash_attention_fp8 (e4m3 forward, straight-through gradients).
+    incoherent, block_size, signs, rotation_key: flash_attention_fp8's incoherent, block_size,
+      signs and key; only with fp8=True.
+
+  Returns:
+    (batch..., q_length, heads, head_dim) in the compute dtype.
+  """
+  del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
+  _check_unsupported_arrays(bias, mask)
+  check_no_dropout(dropout_rate, deterministic)
+  check_no_weights_introspection(module)
+  for name, fn in (("einsum_dot_general", einsum_dot_general),
+                   ("qk_attn_weights_einsum", qk_attn_weights_einsum),
+                   ("attn_weights_value_einsum", attn_weights_value_einsum)):
+    if fn is not None:
+      raise TypeError(
+          f"jax_fa3 attention does not take {name} (custom/quantized einsums, e.g. AQT): it runs "
+          f"its own kernels. For low-precision attention use "
+          f"functools.partial(jax_fa3.flax.dot_product_attention, fp8=True).")
+  fp8 = check_bool("fp8", fp8)
+  if not fp8:
+    given = [n for n, v in (("block_size", block_size), ("signs", signs),
+                            ("rotation_key", rotation_key)) if v is not None]
+    if given:
+      raise ValueError(f"{', '.join(given)} only apply with fp8=True")
+  elif check_softcap(softcap) > 0.0 or deterministic_backward:
+    raise ValueError("fp8=True supports neither softcap > 0 nor deterministic_backward=True")
+
+  query, key, value = _promote(query, key, value, dtype, promote_dtype)
+  if not (query.ndim == key.ndim == value.ndim) or query.ndim < 3:
+    raise ValueError(
+        f"query, key and value must have one rank >= 3, (batch..., length, heads, head_dim); "
+        f"got shapes {query.shape}, {key.shape}, {value.shape}")
+  batch_shape = query.shape[:-3]
+  if not (key.shape[:-3] == value.shape[:-3] == batch_shape):
+    raise ValueError(f"query, key and value batch dims must match, got shapes {query.shape}, "
+                     f"{key.shape}, {value.shape}")
+
+  causal = check_bool("causal", causal)
+  if check_bool("is_causal", is_causal):
+    if query.shape[-3] != key.shape[-3]:
+      raise ValueError(
+          f"is_causal=True is top-left aligned (jax.nn.dot_product_attention) while jax_fa3 is "
+          f"bottom-right aligned (FlashAttention); they agree only when q_length == kv_length, "
+          f"got {query.shape[-3]} and {key.shape[-3]}. Use {_PARTIAL_HINT} for bottom-right.")
+    causal = True
+  window_size = check_window(window_size)
+
+  q4, k4, v4 = (_to_rank4(x, batch_shape) for x in (query, key, value))
+  if fp8:
+    out = _flash_attention_fp8()(
+        q4, k4, v4, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        incoherent=check_bool("incoherent", incoherent), block_size=block_size, key=rotation_key,
+        signs=signs)
+  else:
+    out = flash_attention(q4, k4, v4, softmax_scale=softmax_scale, causal=causal,
+                          window_size=window_size, softcap=softcap,
+                          deterministic=deterministic_backward)
+  return jnp.reshape(out, query.shape)

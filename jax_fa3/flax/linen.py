@@ -1,0 +1,126 @@
+"""Linen layers: `MultiHeadDotProductAttention` (and its alias `MultiHeadAttention`) on jax_fa3.
+
+Subclasses of Flax's, with the same class names, fields and parameter names ('query', 'key',
+'value', 'out', and 'query_ln'/'key_ln' with normalize_qk), so Flax checkpoints load unchanged.
+Our fields: causal, window_size, softcap, softmax_scale, num_kv_heads (GQA: key/value project to
+num_kv_heads heads; None means num_heads and Flax's exact tree) and fp8 (the rotation signs live
+in the 'fp8_rotation' collection, not in 'params').
+"""
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+from flax.linen.attention import dot_product_attention as _flax_default_attention
+
+from jax_fa3._validation import check_softcap, check_window
+from jax_fa3.flax.attention_fn import (check_no_dropout, check_no_weights_introspection,
+                                       dot_product_attention)
+from jax_fa3.flax.rotation import ROTATION_COLLECTION, ROTATION_NAME, random_rotation_signs
+
+
+def _resolve_inputs(inputs_q, inputs_k, inputs_v, inputs_kv):
+  """Flax's rules: k defaults to q, v to k; the deprecated inputs_kv sets both."""
+  if inputs_kv is not None:
+    if inputs_k is not None or inputs_v is not None:
+      raise ValueError("pass either inputs_kv or inputs_k/inputs_v, not both")
+    return inputs_kv, inputs_kv
+  if inputs_k is None:
+    if inputs_v is not None:
+      raise ValueError("inputs_k cannot be None if inputs_v is given")
+    inputs_k = inputs_q
+  return inputs_k, inputs_k if inputs_v is None else inputs_v
+
+
+class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
+  """flax.linen.MultiHeadDotProductAttention with jax_fa3 flash attention.
+
+  Attributes (beyond Flax's):
+    causal: query i sees keys j <= i + kv_length - q_length (FlashAttention bottom-right).
+    window_size: (left, right) sliding window, -1 unbounded.
+    softcap: if > 0, scores become softcap * tanh(scores / softcap).
+    softmax_scale: defaults to 1/sqrt(head_dim), as in Flax.
+    num_kv_heads: heads of the key/value projections (GQA); None: num_heads.
+    fp8: attention through jax_fa3.flash_attention_fp8 with a Hadamard rotation whose random
+      signs are drawn from the 'params' rng at init into variables['fp8_rotation']['signs'].
+
+  Masks, attention dropout, sow_weights, decode and a custom attention_fn are refused.
+  """
+
+  causal: bool = False
+  window_size: tuple[int, int] = (-1, -1)
+  softcap: float = 0.0
+  softmax_scale: float | None = None
+  num_kv_heads: int | None = None
+  fp8: bool = False
+
+  def _check_supported(self, sow_weights: bool) -> None:
+    if self.attention_fn is not _flax_default_attention:
+      raise TypeError(
+          f"{type(self).__name__} always runs jax_fa3 attention; for another attention_fn use "
+          f"flax.linen.MultiHeadDotProductAttention(attention_fn=...), whose parameter tree is "
+          f"the same")
+    if self.decode:
+      raise NotImplementedError(
+          f"{type(self).__name__} does not support decode=True (a KV cache needs a per-step "
+          f"mask); use flax.linen.MultiHeadDotProductAttention for cached decoding — the "
+          f"parameter tree is the same")
+    if self.qk_attn_weights_einsum_cls or self.attn_weights_value_einsum_cls:
+      raise TypeError("jax_fa3 attention takes no qk_attn_weights_einsum_cls / "
+                      "attn_weights_value_einsum_cls (custom einsums); for low precision use "
+                      "fp8=True")
+    check_no_weights_introspection(self if sow_weights else None)
+
+  @nn.compact
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
+               deterministic: bool | None = None, dropout_rng=None, sow_weights: bool = False):
+    """Flax's call: (batch..., length, features) in, (batch..., length, out_features) out."""
+    self._check_supported(sow_weights)
+    inputs_k, inputs_v = _resolve_inputs(inputs_q, inputs_k, inputs_v, inputs_kv)
+    features = self.out_features or inputs_q.shape[-1]
+    qkv_features = self.qkv_features or inputs_q.shape[-1]
+    num_kv_heads = self.num_kv_heads or self.num_heads
+    if qkv_features % self.num_heads != 0:
+      raise ValueError(f"qkv_features ({qkv_features}) must be divisible by num_heads "
+                       f"({self.num_heads})")
+    if self.num_heads % num_kv_heads != 0:
+      raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                       f"({num_kv_heads})")
+    head_dim = qkv_features // self.num_heads
+
+    dense = functools.partial(
+        nn.DenseGeneral, axis=-1, dtype=self.dtype, param_dtype=self.param_dtype,
+        kernel_init=self.kernel_init, bias_init=self.bias_init, use_bias=self.use_bias,
+        precision=self.precision, dot_general=self.qkv_dot_general,
+        dot_general_cls=self.qkv_dot_general_cls)
+    query = dense(features=(self.num_heads, head_dim), name="query")(inputs_q)
+    key = dense(features=(num_kv_heads, head_dim), name="key")(inputs_k)
+    value = dense(features=(num_kv_heads, head_dim), name="value")(inputs_v)
+    if self.normalize_qk:
+      # As Flax: QK-LayerNorm (ViT-22B) for stability at high learning rates.
+      layer_norm = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype,
+                                     param_dtype=self.param_dtype)
+      query = layer_norm(name="query_ln")(query)
+      key = layer_norm(name="key_ln")(key)
+
+    if self.dropout_rate > 0.0:  # Flax requires `deterministic` only when dropout is on.
+      deterministic = nn.merge_param("deterministic", self.deterministic, deterministic)
+      check_no_dropout(self.dropout_rate, deterministic)
+
+    options = dict(causal=self.causal, window_size=check_window(self.window_size),
+                   softcap=check_softcap(self.softcap), softmax_scale=self.softmax_scale)
+    if self.fp8:
+      signs = self.variable(ROTATION_COLLECTION, ROTATION_NAME,
+                            lambda: random_rotation_signs(self.make_rng("params"), head_dim))
+      options.update(fp8=True, signs=signs.value)
+    x = dot_product_attention(query, key, value, mask=mask, dtype=self.dtype, **options)
+
+    return nn.DenseGeneral(
+        features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
+        bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias, dtype=self.dtype,
+        param_dtype=self.param_dtype, precision=self.precision, dot_general=self.out_dot_general,
+        dot_general_cls=self.out_dot_general_cls, name="out")(x)
+
+
+class MultiHeadAttention(MultiHeadDotProductAttention):
+  """Alias of MultiHeadDotProductAttention, auto-named `MultiHeadAttention_<i>` as in Flax."""

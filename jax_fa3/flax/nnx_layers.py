@@ -1,0 +1,78 @@
+"""`MultiHeadAttention`: flax.nnx.MultiHeadAttention running jax_fa3 attention.
+
+A subclass, so its constructor, call, and parameter tree are Flax's (num_kv_heads included):
+weights saved from `flax.nnx.MultiHeadAttention` load into it unchanged. Our options are
+`causal`, `window_size`, `softcap`, `softmax_scale` and `fp8`.
+"""
+from __future__ import annotations
+
+import functools
+
+from flax import nnx
+
+from jax_fa3._validation import check_bool, check_softcap, check_window
+from jax_fa3.flax.attention_fn import dot_product_attention
+from jax_fa3.flax.rotation import random_rotation_signs
+
+
+class Fp8RotationSigns(nnx.Variable):
+  """The ±1 signs of an FP8 layer's Hadamard rotation: saved with the model, never trained."""
+
+
+class MultiHeadAttention(nnx.MultiHeadAttention):
+  """flax.nnx.MultiHeadAttention with jax_fa3 flash attention.
+
+  Args (beyond Flax's, which are all accepted except `attention_fn`):
+    causal: query i sees keys j <= i + kv_length - q_length (FlashAttention bottom-right).
+    window_size: (left, right) sliding window, -1 unbounded.
+    softcap: if > 0, scores become softcap * tanh(scores / softcap).
+    softmax_scale: defaults to 1/sqrt(head_dim), as in Flax.
+    fp8: attention through jax_fa3.flash_attention_fp8 with a Hadamard rotation whose random
+      signs are drawn from `rngs.params()` at init and kept as an `Fp8RotationSigns` variable
+      (in nnx.state, not an nnx.Param).
+
+  Masks, attention dropout, sow_weights and decode are refused (ValueError/NotImplementedError).
+  """
+
+  def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
+               out_features: int | None = None, num_kv_heads: int | None = None,
+               in_kv_features: int | None = None, *, causal: bool = False,
+               window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+               softmax_scale: float | None = None, fp8: bool = False, rngs: nnx.Rngs, **kwargs):
+    if "attention_fn" in kwargs:
+      raise TypeError(
+          "jax_fa3.flax.MultiHeadAttention always runs jax_fa3 attention; for another "
+          "attention_fn use flax.nnx.MultiHeadAttention(attention_fn=...), whose parameter tree "
+          "is the same")
+    # Static options, read by the attention_fn property at call time.
+    self.causal = check_bool("causal", causal)
+    self.window_size = check_window(window_size)
+    self.softcap = check_softcap(softcap)
+    self.softmax_scale = softmax_scale
+    self.fp8 = check_bool("fp8", fp8)
+    super().__init__(num_heads, in_features, qkv_features, out_features, num_kv_heads,
+                     in_kv_features, rngs=rngs, **kwargs)
+    # Drawn after Flax's parameters, so those equal flax.nnx.MultiHeadAttention's for one seed.
+    self.rotation_signs = (Fp8RotationSigns(random_rotation_signs(rngs.params(), self.head_dim))
+                           if self.fp8 else nnx.data(None))
+
+  # Flax's __call__ calls self.attention_fn(...); a property lets it see the signs *variable* of
+  # this very instance (traced under nnx.jit, restored by nnx.update), which a function fixed at
+  # construction could not. Flax's __init__ assigns its default; the setter drops it.
+  @property
+  def attention_fn(self):
+    options = dict(causal=self.causal, window_size=self.window_size, softcap=self.softcap,
+                   softmax_scale=self.softmax_scale)
+    if self.fp8:
+      options.update(fp8=True, signs=self.rotation_signs[...])
+    return functools.partial(dot_product_attention, **options)
+
+  @attention_fn.setter
+  def attention_fn(self, value):
+    del value
+
+  def init_cache(self, input_shape, dtype=None):
+    raise NotImplementedError(
+        "jax_fa3.flax.MultiHeadAttention does not support decode=True (a KV cache needs a "
+        "per-step mask); use flax.nnx.MultiHeadAttention for cached decoding — the parameter "
+        "tree is the same")
