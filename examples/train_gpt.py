@@ -1,0 +1,281 @@
+"""Train a small byte-level GPT with jax_fa3 attention (Flax linen + optax AdamW).
+
+The text is this repository's own source files, read as bytes (no downloads). On a GPU the model
+is 6 layers, width 512, 8 heads, sequence 1024, in bfloat16; on the CPU (or with --small) it is
+2 layers, width 64, sequence 64, in float32, for a few steps.
+
+  python examples/train_gpt.py                               # jax_fa3 attention
+  python examples/train_gpt.py --attention xla               # jax.nn.dot_product_attention (XLA)
+  python examples/train_gpt.py --compare --plot loss.png     # jax_fa3 vs XLA, same init and data
+  python examples/train_gpt.py --parallel shard_map          # data parallel on all local devices
+
+`--attention xla|cudnn` uses flax.linen.MultiHeadDotProductAttention with the same parameter tree
+as our layer, so both models start from the very same parameters.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import pathlib
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import flax.linen as nn
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run from a checkout without installing
+  sys.path.insert(0, str(REPO))
+import jax_fa3.flax  # noqa: E402
+
+VOCAB = 256  # bytes
+TEXT_SUFFIXES = (".py", ".md", ".cu", ".cuh", ".h", ".cpp", ".txt", ".toml", ".cmake")
+
+
+# ----------------------------------------------------------------------------- configuration
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  depth: int
+  width: int
+  heads: int
+  seqlen: int
+  dtype: str  # compute dtype; parameters are float32
+
+  @classmethod
+  def for_platform(cls, small: bool) -> "ModelConfig":
+    if small:
+      return cls(depth=2, width=64, heads=4, seqlen=64, dtype="float32")
+    return cls(depth=6, width=512, heads=8, seqlen=1024, dtype="bfloat16")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--attention", choices=("jax_fa3", "xla", "cudnn"), default="jax_fa3")
+  parser.add_argument("--parallel", choices=("none", "pmap", "shard_map", "jit"), default="none",
+                      help="data parallelism over all local devices")
+  parser.add_argument("--small", action="store_true", help="the CPU-sized model (automatic on CPU)")
+  parser.add_argument("--steps", type=int, default=None, help="default: 300 on GPU, 20 small")
+  parser.add_argument("--batch", type=int, default=None, help="global batch; default 16 / 8 small")
+  parser.add_argument("--lr", type=float, default=1e-3)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--compare", action="store_true",
+                      help="train jax_fa3 and xla attention from the same init and data")
+  parser.add_argument("--plot", default="train_gpt_loss.png", help="PNG written with --compare")
+  parser.add_argument("--quiet", action="store_true", help="no progress bar")
+  args = parser.parse_args(argv)
+  args.small = args.small or jax.default_backend() == "cpu"
+  args.steps = args.steps or (20 if args.small else 300)
+  args.batch = args.batch or (8 if args.small else 16)
+  return args
+
+
+# ----------------------------------------------------------------------------- data
+
+def load_corpus() -> np.ndarray:
+  """This repository's text files, concatenated in a fixed order, as uint8 bytes."""
+  files = sorted(p for p in REPO.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file()
+                 and not any(part.startswith(".") or part in ("build", "venv", "third_party")
+                             for part in p.relative_to(REPO).parts))
+  data = b"\n".join(p.read_bytes() for p in files)
+  return np.frombuffer(data, dtype=np.uint8)
+
+
+def batches(corpus: np.ndarray, batch: int, seqlen: int, seed: int):
+  """Endless (batch, seqlen + 1) int32 windows at random offsets, the same for a given seed."""
+  rng = np.random.default_rng(seed)
+  if len(corpus) <= seqlen + 1:
+    raise ValueError(f"the corpus ({len(corpus)} bytes) is shorter than seqlen + 1")
+  while True:
+    starts = rng.integers(0, len(corpus) - seqlen - 1, size=batch)
+    yield np.stack([corpus[s:s + seqlen + 1] for s in starts]).astype(np.int32)
+
+
+# ----------------------------------------------------------------------------- model
+
+def reference_attention_fn(query, key, value, *, implementation):
+  """Causal attention through jax.nn.dot_product_attention ('xla' or 'cudnn')."""
+  return jax.nn.dot_product_attention(query, key, value, is_causal=True,
+                                      implementation=implementation)
+
+
+def attention_layer(kind: str, heads: int, dtype):
+  """Our layer or Flax's with XLA/cuDNN attention: the same parameter tree either way."""
+  if kind == "jax_fa3":
+    return jax_fa3.flax.linen.MultiHeadDotProductAttention(
+        num_heads=heads, causal=True, dtype=dtype, name="attention")
+  return nn.MultiHeadDotProductAttention(
+      num_heads=heads, dtype=dtype, name="attention",
+      attention_fn=functools.partial(reference_attention_fn, implementation=kind))
+
+
+class Block(nn.Module):
+  config: ModelConfig
+  attention: str
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.config
+    x = x + attention_layer(self.attention, cfg.heads, cfg.dtype)(nn.LayerNorm(dtype=cfg.dtype)(x))
+    h = nn.Dense(4 * cfg.width, dtype=cfg.dtype)(nn.LayerNorm(dtype=cfg.dtype)(x))
+    return x + nn.Dense(cfg.width, dtype=cfg.dtype)(nn.gelu(h))
+
+
+class GPT(nn.Module):
+  config: ModelConfig
+  attention: str = "jax_fa3"
+
+  @nn.compact
+  def __call__(self, tokens):
+    cfg = self.config
+    embed = nn.Embed(VOCAB, cfg.width, dtype=cfg.dtype)
+    positions = self.param("positions", nn.initializers.normal(0.02), (cfg.seqlen, cfg.width))
+    x = embed(tokens) + positions[: tokens.shape[-1]].astype(cfg.dtype)
+    for _ in range(cfg.depth):
+      x = Block(cfg, self.attention)(x)
+    x = nn.LayerNorm(dtype=cfg.dtype)(x)
+    return embed.attend(x).astype(jnp.float32)  # tied output embedding
+
+
+# ----------------------------------------------------------------------------- training
+
+def loss_fn(params, model: GPT, batch):
+  logits = model.apply({"params": params}, batch[:, :-1])
+  return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def make_train_step(model: GPT, optimizer, parallel: str, devices):
+  """A step (params, opt_state, batch) -> (params, opt_state, loss) for the parallel mode."""
+
+  def step(params, opt_state, batch, axis_name=None):
+    loss, grads = jax.value_and_grad(loss_fn)(params, model, batch)
+    if axis_name is not None:  # average over the data-parallel shards
+      loss, grads = jax.lax.pmean((loss, grads), axis_name)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  if parallel == "none":
+    return jax.jit(step, donate_argnums=(0, 1))
+  if parallel == "pmap":
+    return jax.pmap(functools.partial(step, axis_name="data"), axis_name="data",
+                    devices=devices, donate_argnums=(0, 1))
+  mesh = Mesh(np.asarray(devices), ("data",))
+  if parallel == "shard_map":
+    sharded = jax.shard_map(functools.partial(step, axis_name="data"), mesh=mesh,
+                            in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P()))
+    return jax.jit(sharded, donate_argnums=(0, 1))
+  if parallel == "jit":  # GSPMD: batch sharded, parameters replicated; XLA inserts the psum
+    replicated, by_batch = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+    return jax.jit(step, in_shardings=(replicated, replicated, by_batch),
+                   out_shardings=(replicated, replicated, replicated), donate_argnums=(0, 1))
+  raise ValueError(f"unknown --parallel {parallel!r}")
+
+
+def place(tree, parallel: str, devices):
+  """Puts parameters / optimizer state where the step of `parallel` expects them."""
+  if parallel == "pmap":
+    return jax.device_put_replicated(tree, devices)
+  if parallel in ("shard_map", "jit"):
+    return jax.device_put(tree, NamedSharding(Mesh(np.asarray(devices), ("data",)), P()))
+  return tree
+
+
+def shard_batch(batch: np.ndarray, parallel: str, devices):
+  if parallel == "pmap":
+    return batch.reshape((len(devices), -1) + batch.shape[1:])
+  if parallel in ("shard_map", "jit"):
+    return jax.device_put(batch, NamedSharding(Mesh(np.asarray(devices), ("data",)), P("data")))
+  return batch
+
+
+def progress(iterable, total: int, desc: str, quiet: bool):
+  if quiet:
+    return iterable
+  try:
+    from tqdm.auto import tqdm
+    return tqdm(iterable, total=total, desc=desc)
+  except ImportError:
+    def printed():
+      for i, item in enumerate(iterable):
+        if i % max(1, total // 10) == 0 or i == total - 1:
+          print(f"{desc}: step {i + 1}/{total}", flush=True)
+        yield item
+    return printed()
+
+
+def train(args, attention: str, init_params, corpus) -> dict:
+  """Trains from `init_params` on the batches of args.seed; returns losses and throughput."""
+  config = ModelConfig.for_platform(args.small)
+  devices = jax.local_devices() if args.parallel != "none" else jax.local_devices()[:1]
+  if args.batch % len(devices):
+    raise ValueError(f"--batch {args.batch} must be divisible by the {len(devices)} devices")
+  model = GPT(config, attention)
+  optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
+      optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), args.steps),
+      weight_decay=0.1))
+  params = place(jax.tree.map(jnp.array, init_params), args.parallel, devices)  # a fresh copy
+  opt_state = place(optimizer.init(init_params), args.parallel, devices)
+  step = make_train_step(model, optimizer, args.parallel, devices)
+
+  losses, data = [], batches(corpus, args.batch, config.seqlen, args.seed)
+  start = None
+  bar = progress(range(args.steps), args.steps, f"{attention}/{args.parallel}", args.quiet)
+  for i in bar:
+    params, opt_state, loss = step(params, opt_state, shard_batch(next(data), args.parallel,
+                                                                  devices))
+    losses.append(float(np.mean(loss)))  # waits for the step; pmap returns one loss per device
+    if i == 0:
+      start = time.perf_counter()  # throughput excludes the first step (compilation)
+    if hasattr(bar, "set_postfix"):
+      bar.set_postfix(loss=f"{losses[-1]:.3f}")
+  elapsed = time.perf_counter() - start
+  timed_tokens = (args.steps - 1) * args.batch * config.seqlen
+  tokens_per_s = timed_tokens / elapsed if args.steps > 1 else float("nan")
+  print(f"{attention:8s} {args.parallel:9s} devices={len(devices)} final loss {losses[-1]:.4f} "
+        f"({tokens_per_s:,.0f} tokens/s after the first step)")
+  return dict(attention=attention, losses=losses, tokens_per_s=tokens_per_s)
+
+
+def plot_losses(results: list[dict], path: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for r in results:
+    ax.plot(np.arange(1, len(r["losses"]) + 1), r["losses"],
+            label=f"{r['attention']} ({r['tokens_per_s']:,.0f} tok/s)")
+  ax.set(xlabel="step", ylabel="train loss (nats/byte)", title="byte-level GPT, same init/data")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  print(f"wrote {path}")
+
+
+def main(argv=None) -> list[dict]:
+  args = parse_args(argv)
+  if args.attention == "cudnn" and jax.default_backend() != "gpu":
+    raise SystemExit("--attention cudnn needs an NVIDIA GPU")
+  config = ModelConfig.for_platform(args.small)
+  corpus = load_corpus()
+  print(f"{jax.default_backend()}: {len(jax.local_devices())} device(s); corpus "
+        f"{len(corpus):,} bytes; model {config}; batch {args.batch}, {args.steps} steps")
+  # Both attention kinds share one parameter tree, so one init serves every run.
+  init_params = GPT(config).init(jax.random.key(args.seed),
+                                 np.zeros((1, config.seqlen), np.int32))["params"]
+  kinds = ("jax_fa3", "xla") if args.compare else (args.attention,)
+  results = [train(args, kind, init_params, corpus) for kind in kinds]
+  if args.compare:
+    gap = np.max(np.abs(np.subtract(results[0]["losses"], results[1]["losses"])))
+    print(f"largest loss difference jax_fa3 vs xla over {args.steps} steps: {gap:.2e}")
+    plot_losses(results, args.plot)
+  return results
+
+
+if __name__ == "__main__":
+  main()
