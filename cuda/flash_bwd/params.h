@@ -1,0 +1,91 @@
+// FlashAttention-3 backward (sm_90a): the parameters one call needs, the workspace layout, and the
+// per-(head-dim bucket, dtype) entry points. Plain C++: included by the FFI handler (host compiler)
+// and by the CUDA instantiations. Knows nothing about XLA.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace jax_fa3::flash_bwd {
+
+// Tile height over queries: every bucket uses kBlockM = 64 (one wgmma M per consumer warpgroup).
+constexpr int kBlockM = 64;
+
+struct FlashBwdParams {
+  // Inputs, contiguous: q/out/dout (b, s_q, h, d); k/v (b, s_k, h_k, d); lse (b, h, s_q) fp32.
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* out;
+  const void* dout;
+  const float* lse;
+  // Outputs: dq like q, dk like k, dv like v.
+  void* dq;
+  void* dk;
+  void* dv;
+  // Workspace (see workspace_layout): all carved from one scratch allocation.
+  float* dq_accum;    // (b, h, s_q, d) fp32, zeroed per call
+  float* lse_log2;    // (b, h, s_q_pad) fp32: lse * log2(e); +inf for padded rows
+  float* dpsum;       // (b, h, s_q_pad) fp32: D = rowsum(dO * O); 0 for padded rows
+  int* semaphores;    // (b, h, ceil(s_q / kBlockM)) int32, zeroed; deterministic mode only
+  int b, s_q, s_k, h, h_k, d;
+  float softmax_scale;
+  float softcap;        // 0 = off
+  int window_left;      // -1 = unbounded
+  int window_right;     // -1 = unbounded (causal: 0)
+  bool deterministic;
+  DType dtype;
+};
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Byte offsets of the workspace pieces inside one allocation (each 256-byte aligned).
+struct WorkspaceLayout {
+  size_t dq_accum, lse_log2, dpsum, semaphores, total;
+};
+
+inline WorkspaceLayout workspace_layout(int64_t b, int64_t h, int64_t s_q, int64_t d,
+                                        bool deterministic) {
+  const int64_t s_q_pad = round_up(s_q, kBlockM);
+  WorkspaceLayout w{};
+  size_t off = 0;
+  w.dq_accum = off;
+  off += round_up(4 * b * h * s_q * d, 256);
+  w.lse_log2 = off;
+  off += round_up(4 * b * h * s_q_pad, 256);
+  w.dpsum = off;
+  off += round_up(4 * b * h * s_q_pad, 256);
+  w.semaphores = off;
+  if (deterministic) off += round_up(4 * b * h * (s_q_pad / kBlockM), 256);
+  w.total = off;
+  return w;
+}
+
+// Head-dim bucket (64, 96, 128, 192, 256) that runs head dim d, or 0 if none.
+inline int head_dim_bucket(int d) {
+  if (d <= 0 || d % 8 != 0) return 0;
+  for (int bucket : {64, 96, 128, 192, 256}) {
+    if (d <= bucket) return bucket;
+  }
+  return 0;
+}
+
+// One per compiled (bucket, dtype); defined in cuda/instantiations/flash_bwd_hdim<D>_<dtype>.cu.
+#define JAX_FA3_DECLARE_FLASH_BWD(D, DT) \
+  cudaError_t run_flash_bwd_hdim##D##_##DT(const FlashBwdParams& params, cudaStream_t stream);
+JAX_FA3_DECLARE_FLASH_BWD(64, bf16)
+JAX_FA3_DECLARE_FLASH_BWD(96, bf16)
+JAX_FA3_DECLARE_FLASH_BWD(128, bf16)
+JAX_FA3_DECLARE_FLASH_BWD(192, bf16)
+JAX_FA3_DECLARE_FLASH_BWD(256, bf16)
+JAX_FA3_DECLARE_FLASH_BWD(64, fp16)
+JAX_FA3_DECLARE_FLASH_BWD(96, fp16)
+JAX_FA3_DECLARE_FLASH_BWD(128, fp16)
+JAX_FA3_DECLARE_FLASH_BWD(192, fp16)
+JAX_FA3_DECLARE_FLASH_BWD(256, fp16)
+#undef JAX_FA3_DECLARE_FLASH_BWD
+
+}  // namespace jax_fa3::flash_bwd

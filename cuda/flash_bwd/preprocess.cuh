@@ -1,0 +1,46 @@
+// Backward preprocess: per (batch, head, query row) D = rowsum(dO * O) in fp32 and LSE in the log2
+// domain, both padded to a multiple of kBlockM rows (D = 0, LSE = +inf in the padding, so padded
+// rows get P = 0 and dS = 0 without a special case). One warp per row, 16-byte loads.
+#pragma once
+#include <cstdint>
+
+#include <cutlass/numeric_types.h>
+
+namespace jax_fa3::flash_bwd {
+
+template <typename Element>
+__global__ void __launch_bounds__(256)
+    flash_bwd_preprocess_kernel(const Element* __restrict__ out, const Element* __restrict__ dout,
+                                const float* __restrict__ lse, float* __restrict__ lse_log2,
+                                float* __restrict__ dpsum, int b, int s_q, int h, int d,
+                                int s_q_pad) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= int64_t(b) * h * s_q_pad) return;
+  const int i = static_cast<int>(row % s_q_pad);
+  const int64_t bh = row / s_q_pad;
+  const int hh = static_cast<int>(bh % h);
+  const int64_t bb = bh / h;
+  float acc = 0.f;
+  float l = __int_as_float(0x7f800000);  // +inf
+  if (i < s_q) {
+    const int64_t base = ((bb * s_q + i) * h + hh) * d;
+    for (int c = lane * 8; c < d; c += 32 * 8) {
+      const uint4 ov = *reinterpret_cast<const uint4*>(out + base + c);
+      const uint4 gv = *reinterpret_cast<const uint4*>(dout + base + c);
+      const Element* o8 = reinterpret_cast<const Element*>(&ov);
+      const Element* g8 = reinterpret_cast<const Element*>(&gv);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc += float(o8[e]) * float(g8[e]);
+    }
+    l = lse[bh * s_q + i] * 1.4426950408889634f;  // +inf stays +inf
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane == 0) {
+    dpsum[row] = acc;
+    lse_log2[row] = l;
+  }
+}
+
+}  // namespace jax_fa3::flash_bwd

@@ -1,0 +1,124 @@
+// Compile-time configuration of the backward main kernel for one (head-dim bucket, dtype):
+// tile sizes, shared-memory layouts (CuTe, GMMA-swizzled), the five wgmma TiledMMAs, the TMA types
+// and the shared-memory struct. See README.md for the reasoning behind every number here.
+#pragma once
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "flash_bwd/params.h"
+
+namespace jax_fa3::flash_bwd {
+
+// The gmem view every TMA descriptor is built from: (seqlen, d, heads, batch) of a contiguous
+// (batch, seqlen, heads, d) array.
+using ShapeSDHB = cute::Shape<int32_t, int32_t, int32_t, int32_t>;
+using StrideSDHB = cute::Stride<int64_t, cute::_1, int64_t, int64_t>;
+
+template <typename Element, typename SmemLayout, typename Tile>
+auto make_tma_load_sdhb(Element const* ptr, ShapeSDHB const& shape, StrideSDHB const& stride,
+                        SmemLayout const& smem_layout, Tile const& tile) {
+  using namespace cute;
+  return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), shape, stride), smem_layout,
+                       tile, _1{});
+}
+
+template <int kHeadDim_, typename Element_>
+struct BwdTraits {
+  using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = flash_bwd::kBlockM;           // 64 query rows per Q block
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;   // key rows per CTA
+  static constexpr int kStages = 2;                            // Q/dO/LSE/D pipeline depth
+  static constexpr int kNumMmaWarpGroups = 2;
+  static constexpr int kNumMmaThreads = 128 * kNumMmaWarpGroups;
+  static constexpr int kNumThreads = 128 + kNumMmaThreads;     // producer WG + consumer WGs
+  static constexpr int kProducerRegs = 32;                     // 32*128 + 240*256 = 65536
+  static constexpr int kConsumerRegs = 240;
+
+  // Work split between the two consumer warpgroups (wg = 0, 1):
+  //  S, dP : all kBlockM rows x columns [wg*kNS, (wg+1)*kNS) of the key block.
+  //  dK, dV: kBlockN=128 -> key rows [wg*64, wg*64+64) x all d;  kBlockN=64 -> all 64 key rows x
+  //          d columns [wg*d/2, (wg+1)*d/2).  Either way one 64-row wgmma M per warpgroup.
+  //  dQ    : all kBlockM rows x d columns [wg*d/2, (wg+1)*d/2).
+  static constexpr int kNS = kBlockN / 2;
+  static constexpr int kWgAlongN = kBlockN / 64;  // 2: dK/dV split along keys, 1: along d
+  static constexpr int kDKV = kHeadDim * kWgAlongN / 2;
+  static constexpr int kDQ = kHeadDim / 2;
+  static_assert(kBlockN / kWgAlongN == 64);
+
+  // Q, K, V, dO tiles: d contiguous (K-major for S = QK^T and dP = dO V^T). The swizzle width must
+  // divide d/2 so that the transposed (MN-major) views used by dQ = dS K, dK = dS^T Q, dV = P^T dO
+  // can be cut into per-warpgroup d-halves on swizzle-atom boundaries.
+  using SmemAtomQKV = std::conditional_t<
+      kDQ % 64 == 0, cute::GMMA::Layout_K_SW128_Atom<Element>,
+      std::conditional_t<kDQ % 32 == 0, cute::GMMA::Layout_K_SW64_Atom<Element>,
+                         cute::GMMA::Layout_K_SW32_Atom<Element>>>;
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      SmemAtomQKV{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));  // one stage
+  using SmemLayoutKV = decltype(cute::tile_to_shape(
+      SmemAtomQKV{}, cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  // Transposed views of the same bytes: (d, rows), d contiguous = MN-major operands.
+  using SmemLayoutQt = decltype(cute::composition(
+      SmemLayoutQ{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockM>>{},
+                                       cute::Stride<cute::Int<kBlockM>, cute::_1>{})));
+  using SmemLayoutKt = decltype(cute::composition(
+      SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
+                                        cute::Stride<cute::Int<kBlockN>, cute::_1>{})));
+  // P and dS: (kBlockM, kBlockN), key index contiguous, 128B swizzle (kBlockN is 64 or 128).
+  // K-major A operand for dQ = dS K; transposed (keys, rows) = MN-major A for dV and dK.
+  using SmemLayoutPdS = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<Element>{},
+      cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
+  using SmemLayoutPdSt = decltype(cute::composition(
+      SmemLayoutPdS{}, cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{},
+                                         cute::Stride<cute::Int<kBlockM>, cute::_1>{})));
+
+  // One warpgroup's GEMMs (128 threads, fp32 accumulators, both operands from shared memory).
+  using MmaSdP = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
+      Element, Element, float, cute::Shape<cute::Int<kBlockM>, cute::Int<kNS>, cute::Int<kHeadDim>>,
+      cute::GMMA::Major::K, cute::GMMA::Major::K>()));
+  using MmadKV = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
+      Element, Element, float, cute::Shape<cute::_64, cute::Int<kDKV>, cute::Int<kBlockM>>,
+      cute::GMMA::Major::MN, cute::GMMA::Major::MN>()));
+  using MmadQ = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
+      Element, Element, float, cute::Shape<cute::Int<kBlockM>, cute::Int<kDQ>, cute::Int<kBlockN>>,
+      cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+
+  using TmaQ = decltype(make_tma_load_sdhb(
+      static_cast<Element const*>(nullptr), ShapeSDHB{}, StrideSDHB{}, SmemLayoutQ{},
+      cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
+  using TmaKV = decltype(make_tma_load_sdhb(
+      static_cast<Element const*>(nullptr), ShapeSDHB{}, StrideSDHB{}, SmemLayoutKV{},
+      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+
+  static constexpr int kSizeQ = cute::cosize_v<SmemLayoutQ>;     // elements per stage
+  static constexpr int kSizeKV = cute::cosize_v<SmemLayoutKV>;
+  static constexpr int kSizePdS = cute::cosize_v<SmemLayoutPdS>;
+  static constexpr uint32_t kBytesQ = kSizeQ * sizeof(Element);  // TMA always moves the full box
+  static constexpr uint32_t kBytesKV = kSizeKV * sizeof(Element);
+  static constexpr uint32_t kBytesRow = kBlockM * sizeof(float);  // LSE or D of one Q block
+
+  struct SharedStorage {
+    alignas(1024) Element k[kSizeKV];
+    alignas(1024) Element v[kSizeKV];
+    alignas(1024) Element q[kStages * kSizeQ];
+    alignas(1024) Element dout[kStages * kSizeQ];
+    alignas(1024) Element p[kSizePdS];
+    alignas(1024) Element ds[kSizePdS];
+    alignas(16) float lse_log2[kStages][kBlockM];
+    alignas(16) float dpsum[kStages][kBlockM];
+    alignas(8) uint64_t bar_kv;              // K and V landed (tx barrier, 1 arrival)
+    uint64_t bar_full[kStages];              // Q, dO, LSE, D of a stage landed (tx, 1 arrival)
+    uint64_t bar_empty[kStages];             // consumers done with a stage (256 arrivals)
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + base alignment slack
+  static_assert(kSmemBytes <= 227 * 1024, "backward tile does not fit shared memory");
+};
+
+}  // namespace jax_fa3::flash_bwd

@@ -1,0 +1,4 @@
+// FlashAttention-3 backward, head-dim bucket 64, fp16. One instantiation per file (parallel builds).
+#include "flash_bwd/launch.cuh"
+
+JAX_FA3_INSTANTIATE_FLASH_BWD(64, fp16, cutlass::half_t)
