@@ -4,3 +4,4 @@
 #include "xla/ffi/api/api.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFa3Hadamard);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFa3FlashBwd);
