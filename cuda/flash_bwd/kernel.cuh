@@ -266,7 +266,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         const float dd = dpsum_s[r];
         float pv, dsv;
         if (p.has_softcap) {
-          const float t = tanh_approx(tSrS(i) * p.tanh_in_scale);
+          const float t = tanh_fast(tSrS(i) * p.tanh_in_scale);
           pv = exp2f(t * p.score_log2 - lse);
           dsv = pv * (tSrdP(i) - dd) * (1.f - t * t);
         } else {
