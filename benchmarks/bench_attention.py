@@ -1,0 +1,153 @@
+"""FlashAttention-3 paper sweep: jax_fa3 against JAX's attention peers, in one run.
+
+16k tokens in total, model width 2048 (d=64 × 32 heads, d=128 × 16, d=256 × 8), seqlen 512…16k,
+causal and not; forward, and backward (time of fwd+bwd minus fwd; FLOPs 2.5× forward). Each peer's
+output is checked against the fp32 reference before its speed is quoted.
+
+  python benchmarks/bench_attention.py [--quick] [--json out.json] [--png out.png]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+
+import jax
+import jax.numpy as jnp
+
+import jax_fa3
+from jax_fa3 import _bench
+
+TOTAL_TOKENS = 16384
+WIDTH = 2048
+
+
+def _grad_fn(forward):
+  def loss(q, k, v, do):
+    return jnp.sum(forward(q, k, v).astype(jnp.float32) * do.astype(jnp.float32))
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _flash_attn3_peer(causal):
+  """FA3's own kernels via the flash-attn3-jax package (sm90, d=128), when installed."""
+  try:
+    from flash_attn_jax import flash_mha  # noqa: PLC0415
+  except ImportError:
+    return None
+  return _bench.Peer("fa3_kernels", lambda q, k, v: flash_mha(q, k, v, is_causal=causal))
+
+
+def run(head_dims, seqlens, directions, dtype, min_time):
+  rows = []
+  key = jax.random.PRNGKey(0)
+  for d in head_dims:
+    h = WIDTH // d
+    for causal in (False, True):
+      for s in seqlens:
+        b = max(1, TOTAL_TOKENS // s)
+        key, sub = jax.random.split(key)
+        peers = _bench.peers(causal, on_gpu=True)
+        fa3 = _flash_attn3_peer(causal)
+        if fa3 is not None and d == 128:
+          peers.append(fa3)
+        for peer in peers:
+          q, k, v = _bench.random_qkv(sub, b, s, h, d, peer.dtype or dtype)
+          fwd = jax.jit(peer.forward)
+          row = dict(peer=peer.name, d=d, h=h, b=b, seqlen=s, causal=causal,
+                     dtype=str(jnp.dtype(peer.dtype or dtype)))
+          try:
+            row["rel_err"] = _bench.relative_error(fwd(q, k, v), q, k, v, causal)
+            t_fwd = _bench.median_seconds(fwd, q, k, v, min_time=min_time)
+            row["fwd_ms"] = t_fwd * 1e3
+            row["fwd_tflops"] = _bench.attention_flops(b, h, s, s, d, causal) / t_fwd / 1e12
+            if row["rel_err"] > 2e-2:
+              row["note"] = "output wrong: speed not quoted"
+              row["fwd_tflops"] = None
+          except Exception as e:  # noqa: BLE001 (one failing peer must not hide the rest)
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+          if "bwd" in directions and "error" not in row:
+            try:
+              do = jax.random.normal(sub, q.shape, jnp.float32).astype(q.dtype)
+              grads = _grad_fn(peer.forward)
+              g = grads(q, k, v, do)
+              if not all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in g):
+                row["bwd_note"] = "non-finite gradients: speed not quoted"
+              else:
+                t_all = _bench.median_seconds(grads, q, k, v, do, min_time=min_time)
+                t_bwd = max(t_all - t_fwd, 1e-9)
+                row["bwd_ms"] = t_bwd * 1e3
+                row["bwd_tflops"] = _bench.attention_flops(b, h, s, s, d, causal, "bwd") / t_bwd / 1e12
+            except Exception as e:  # noqa: BLE001
+              row["bwd_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+          rows.append(row)
+          print(json.dumps(row), flush=True)
+  return rows
+
+
+def table(rows, direction) -> str:
+  peers = sorted({r["peer"] for r in rows}, key=lambda p: (p != "jax_fa3", p))
+  head = f"| d | causal | seqlen | " + " | ".join(peers) + " |"
+  lines = [head, "|" + "---|" * (3 + len(peers))]
+  keys = sorted({(r["d"], r["causal"], r["seqlen"]) for r in rows})
+  for d, causal, s in keys:
+    cells = []
+    for p in peers:
+      r = next((r for r in rows if (r["peer"], r["d"], r["causal"], r["seqlen"]) == (p, d, causal, s)), None)
+      value = None if r is None else r.get(f"{direction}_tflops")
+      cells.append("—" if value is None else f"{value:.0f}")
+    lines.append(f"| {d} | {causal} | {s} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def plot(rows, path):
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  combos = sorted({(r["d"], r["causal"]) for r in rows})
+  fig, axes = plt.subplots(1, len(combos), figsize=(4 * len(combos), 3.5), squeeze=False)
+  for ax, (d, causal) in zip(axes[0], combos):
+    for p in sorted({r["peer"] for r in rows}):
+      pts = [(r["seqlen"], r.get("fwd_tflops")) for r in rows
+             if r["peer"] == p and r["d"] == d and r["causal"] == causal and r.get("fwd_tflops")]
+      if pts:
+        ax.plot(*zip(*pts), marker="o", label=p)
+    ax.set_xscale("log", base=2)
+    ax.set_title(f"fwd d={d} {'causal' if causal else 'non-causal'}")
+    ax.set_xlabel("seqlen")
+    ax.set_ylabel("TFLOP/s")
+  axes[0][0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--head-dims", default="64,128,256")
+  parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+  parser.add_argument("--directions", default="fwd,bwd")
+  parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--min-time", type=float, default=0.2)
+  parser.add_argument("--json", default="bench_attention.json")
+  parser.add_argument("--png", default="bench_attention.png")
+  args = parser.parse_args()
+  device = jax.devices()[0]
+  header = dict(date=str(datetime.date.today()), device=device.device_kind, jax=jax.__version__,
+                jax_fa3=jax_fa3.__version__, kernels=jax_fa3.kernels_available(),
+                python=platform.python_version())
+  print(json.dumps(header))
+  rows = run([int(x) for x in args.head_dims.split(",")], [int(x) for x in args.seqlens.split(",")],
+             args.directions.split(","), jnp.dtype(args.dtype), args.min_time)
+  with open(args.json, "w") as f:
+    json.dump(dict(header=header, rows=rows), f, indent=1)
+  try:
+    plot(rows, args.png)
+  except ImportError:
+    print("matplotlib missing: no plot")
+  print(f"\n{header}\nforward TFLOP/s\n{table(rows, 'fwd')}")
+  if "bwd" in args.directions:
+    print(f"\nbackward TFLOP/s\n{table(rows, 'bwd')}")
+
+
+if __name__ == "__main__":
+  main()
