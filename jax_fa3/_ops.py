@@ -75,8 +75,8 @@ def _backward_kernel(cfg: AttentionConfig):
   return lambda q, k, v, out, lse, dout: batched(q, k, v, out, dout, lse)
 
 
-def forward(q, k, v, cfg: AttentionConfig):
-  """(out, lse): out like q, lse (batch, heads, seqlen_q) float32."""
+def forward_local(q, k, v, cfg: AttentionConfig):
+  """(out, lse) on one device: out like q, lse (batch, heads, seqlen_q) float32."""
   def ref(q, k, v):
     return reference.attention_forward(q, k, v, **cfg.kwargs())
 
@@ -85,8 +85,8 @@ def forward(q, k, v, cfg: AttentionConfig):
   return jax.lax.platform_dependent(q, k, v, cuda=_forward_kernel(cfg), default=ref)
 
 
-def backward(q, k, v, out, lse, dout, cfg: AttentionConfig, dlse=None):
-  """(dq, dk, dv) given the forward's out and lse; `dlse` is the cotangent of a returned lse."""
+def backward_local(q, k, v, out, lse, dout, cfg: AttentionConfig, dlse=None):
+  """On one device: (dq, dk, dv); see `backward`."""
   def ref(q, k, v, out, lse, dout):
     if dlse is None:
       return reference.attention_backward(q, k, v, out, lse, dout, **cfg.kwargs())
@@ -97,3 +97,17 @@ def backward(q, k, v, out, lse, dout, cfg: AttentionConfig, dlse=None):
     return ref(q, k, v, out, lse, dout)
   return jax.lax.platform_dependent(q, k, v, out, lse, dout, cuda=_backward_kernel(cfg),
                                     default=ref)
+
+
+# Multi-device: the partitioning rules of jax_fa3.sharding (batch/head sharding local, sequence
+# sharding as a ring) wrap the single-device ops above, for the kernels and the reference alike.
+def forward(q, k, v, cfg: AttentionConfig):
+  """(out, lse): out like q, lse (batch, heads, seqlen_q) float32; partitioned under sharding."""
+  from jax_fa3 import sharding
+  return sharding.partitioned_forward(q, k, v, cfg)
+
+
+def backward(q, k, v, out, lse, dout, cfg: AttentionConfig, dlse=None):
+  """(dq, dk, dv) given the forward's out and lse; `dlse` is the cotangent of a returned lse."""
+  from jax_fa3 import sharding
+  return sharding.partitioned_backward(q, k, v, out, lse, dout, cfg, dlse=dlse)

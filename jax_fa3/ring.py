@@ -1,0 +1,327 @@
+"""Ring attention: sequence parallelism over a mesh axis, forward and backward.
+
+Inside `shard_map` (or `pmap`) with the sequence axis of q, k and v split over `axis_name`, every
+device keeps its query block and passes its key/value block round the ring with `lax.ppermute`;
+each (query block, key/value block) pair runs the single-device attention (`_ops` local forward,
+which returns out and LSE) and partial results are merged by their LSE. The transfer of the next
+key/value block is issued before the current block is computed, so XLA can overlap the two.
+
+The backward passes the key/value blocks round again together with their dK/dV accumulators and
+runs the single-device backward per pair with the *final* out and LSE, so that P = exp(S - LSE) and
+D = rowsum(dO * O) are the global ones and per-pair gradients simply add up.
+
+Causal attention and load balance: with contiguous chunks, device r skips the blocks of devices
+after it and the last device does n times the work of the first. In zig-zag order the sequence is
+cut into 2n chunks and device r holds chunks r and 2n-1-r (`zigzag_permute`); then every block
+pair is either the causal diagonal (own block), the first half of the key/value block against all
+queries, or all keys against the second half of the queries: the same work on every device.
+
+Supported visibility: full (no window) and causal (with s_q == s_k); both with soft-capping and GQA.
+Sliding windows are not supported by the ring (the sharded-jit wrapper gathers instead).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jax_fa3._config import AttentionConfig
+
+# Kinds of (query block, key/value block) pairs.
+_FULL, _DIAGONAL, _SKIP, _KV_FIRST_HALF, _Q_SECOND_HALF = range(5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Zig-zag token order
+# ---------------------------------------------------------------------------------------------
+
+def zigzag_indices(seqlen: int, num_shards: int) -> np.ndarray:
+  """Token positions in zig-zag order: shard r holds chunks r and 2n-1-r of 2n equal chunks."""
+  if seqlen % (2 * num_shards):
+    raise ValueError(f"zig-zag order needs seqlen divisible by 2 * num_shards = {2 * num_shards}, "
+                     f"got seqlen {seqlen}")
+  chunks = np.arange(seqlen).reshape(2 * num_shards, -1)
+  order = [c for r in range(num_shards) for c in (r, 2 * num_shards - 1 - r)]
+  return chunks[order].reshape(-1)
+
+
+def zigzag_permute(x, num_shards: int, axis: int = 1):
+  """Natural -> zig-zag token order along `axis` (seqlen axis of (b, s, h, d) by default)."""
+  return jnp.take(x, jnp.asarray(zigzag_indices(x.shape[axis], num_shards)), axis=axis)
+
+
+def zigzag_unpermute(x, num_shards: int, axis: int = 1):
+  """Zig-zag -> natural token order along `axis`; the inverse of `zigzag_permute`."""
+  inverse = np.argsort(zigzag_indices(x.shape[axis], num_shards))
+  return jnp.take(x, jnp.asarray(inverse), axis=axis)
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+def _axis_size(axis_name) -> int:
+  size = getattr(lax, "axis_size", None)
+  if size is not None:
+    return int(size(axis_name))
+  return int(lax.psum(1, axis_name))
+
+
+def _rotate(x, axis_name, n):
+  """Device r sends to r + 1 (so after s rotations device r holds the block of r - s)."""
+  if n == 1:
+    return x
+  return lax.ppermute(x, axis_name, perm=[(i, (i + 1) % n) for i in range(n)])
+
+
+def ring_supported(cfg: AttentionConfig, s_q: int, s_k: int) -> str | None:
+  """None if the ring runs this configuration, else the reason it does not."""
+  if cfg.window_left >= 0 or cfg.window_right > 0:
+    return "ring attention supports full and causal attention, not sliding windows"
+  if cfg.is_causal and s_q != s_k:
+    return f"causal ring attention needs seqlen_q == seqlen_k, got {s_q} and {s_k}"
+  return None
+
+
+def _full(cfg):
+  return AttentionConfig(softmax_scale=cfg.softmax_scale, softcap=cfg.softcap,
+                         deterministic=cfg.deterministic)
+
+
+def _diagonal(cfg):
+  return AttentionConfig(softmax_scale=cfg.softmax_scale, window_right=0, softcap=cfg.softcap,
+                         deterministic=cfg.deterministic)
+
+
+def _pair_kind(step, index, n, causal, zigzag):
+  """Kind of the pair (own queries, key/value block of device index - step)."""
+  if not causal:
+    return jnp.int32(_FULL)
+  source = (index - step) % n
+  later = _Q_SECOND_HALF if zigzag else _SKIP
+  earlier = _KV_FIRST_HALF if zigzag else _FULL
+  return jnp.where(step == 0, _DIAGONAL,
+                   jnp.where(source < index, earlier, later)).astype(jnp.int32)
+
+
+def _local_ops():
+  from jax_fa3 import _ops  # late: _ops routes through jax_fa3.sharding, which uses this module
+  return _ops.forward_local, _ops.backward_local
+
+
+def _stat_dtype(x):
+  return jnp.float64 if x.dtype == jnp.float64 else jnp.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------
+
+def _merge(out, lse, block_out, block_lse):
+  """Merges a block's (out, lse) into the running ones; lse -inf means 'nothing seen yet'."""
+  block_lse = block_lse.astype(lse.dtype)
+  block_lse = jnp.where(jnp.isposinf(block_lse), -jnp.inf, block_lse)  # our 'no key' is +inf
+  new = jnp.logaddexp(lse, block_lse)
+  safe = jnp.where(jnp.isneginf(new), 0.0, new)
+  to_rows = lambda w: jnp.swapaxes(w, 1, 2)[..., None]  # (b, h, s) -> (b, s, h, 1)
+  out = (out * to_rows(jnp.exp(lse - safe))
+         + block_out.astype(out.dtype) * to_rows(jnp.exp(block_lse - safe)))
+  return out, new
+
+
+def ring_forward(q, k, v, cfg: AttentionConfig, axis_name, zigzag: bool = True,
+                 block_forward=None):
+  """(out, lse) of attention of the local q block against the k/v blocks of the whole ring.
+
+  Call inside shard_map/pmap; q, k, v are this device's (b, s/n, h, d) blocks. lse follows our
+  convention (+inf on rows that see no key). `block_forward(q, k, v, cfg) -> (out, lse)` runs one
+  pair (default: the single-device op, kernel or reference).
+  """
+  reason = ring_supported(cfg, q.shape[1], k.shape[1])
+  if reason:
+    raise NotImplementedError(reason)
+  if block_forward is None:
+    block_forward = _local_ops()[0]
+  n = _axis_size(axis_name)
+  index = lax.axis_index(axis_name)
+  causal = cfg.is_causal
+  zigzag = bool(zigzag) and causal and n > 1
+  if zigzag and q.shape[1] % 2:
+    raise ValueError(f"zig-zag ring attention needs an even local seqlen, got {q.shape[1]}")
+  b, s_q, h, d = q.shape
+  s_k = k.shape[1]
+  stat = _stat_dtype(q)
+  half_q, half_k = s_q // 2, s_k // 2
+
+  def empty_stats(rows):
+    return jnp.zeros((b, rows, h, d), stat), jnp.full((b, h, rows), -jnp.inf, stat)
+
+  def pad_rows(o, l, before):  # result for some query rows -> all rows, -inf lse elsewhere
+    zo, zl = empty_stats(before if before else s_q - o.shape[1])
+    if before:
+      return jnp.concatenate([zo, o.astype(stat)], 1), jnp.concatenate([zl, l.astype(stat)], 2)
+    return jnp.concatenate([o.astype(stat), zo], 1), jnp.concatenate([l.astype(stat), zl], 2)
+
+  def as_stats(o, l):
+    return o.astype(stat), l.astype(stat)
+
+  branches = [
+      lambda q, k, v: as_stats(*block_forward(q, k, v, _full(cfg))),            # _FULL
+      lambda q, k, v: as_stats(*block_forward(q, k, v, _diagonal(cfg))),        # _DIAGONAL
+      lambda q, k, v: empty_stats(s_q),                                          # _SKIP
+      lambda q, k, v: as_stats(*block_forward(q, k[:, :half_k], v[:, :half_k],   # _KV_FIRST_HALF
+                                              _full(cfg))),
+      lambda q, k, v: pad_rows(*block_forward(q[:, half_q:], k, v, _full(cfg)),  # _Q_SECOND_HALF
+                               before=half_q),
+  ]
+
+  def pair(step, k, v, out, lse):
+    kind = _pair_kind(step, index, n, causal, zigzag)
+    if causal:
+      block_out, block_lse = lax.switch(kind, branches, q, k, v)
+    else:
+      block_out, block_lse = branches[_FULL](q, k, v)
+    return _merge(out, lse, block_out, block_lse)
+
+  def body(carry, step):
+    k, v, out, lse = carry
+    next_k, next_v = _rotate((k, v), axis_name, n)  # issued before this block's compute
+    out, lse = pair(step, k, v, out, lse)
+    return (next_k, next_v, out, lse), None
+
+  out, lse = empty_stats(s_q)
+  (k, v, out, lse), _ = lax.scan(body, (k, v, out, lse), jnp.arange(n - 1))
+  out, lse = pair(n - 1, k, v, out, lse)
+  lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
+  return out.astype(q.dtype), lse
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward
+# ---------------------------------------------------------------------------------------------
+
+def ring_backward(q, k, v, out, lse, dout, cfg: AttentionConfig, axis_name, zigzag: bool = True,
+                  dlse=None, block_backward=None):
+  """(dq, dk, dv) for `ring_forward`'s out and lse (the merged, global ones) and cotangent dout.
+
+  K/V blocks go round the ring once more, each with its dK/dV accumulator; after the last pair
+  one more rotation brings every accumulator back to the device that owns the block.
+  """
+  reason = ring_supported(cfg, q.shape[1], k.shape[1])
+  if reason:
+    raise NotImplementedError(reason)
+  if block_backward is None:
+    block_backward = _local_ops()[1]
+  n = _axis_size(axis_name)
+  index = lax.axis_index(axis_name)
+  causal = cfg.is_causal
+  zigzag = bool(zigzag) and causal and n > 1
+  s_q, s_k = q.shape[1], k.shape[1]
+  stat = _stat_dtype(q)
+  half_q, half_k = s_q // 2, s_k // 2
+
+  def run(q, k, v, out, lse, dout, dlse, c):
+    if dlse is None:
+      grads = block_backward(q, k, v, out, lse, dout, c)
+    else:
+      grads = block_backward(q, k, v, out, lse, dout, c, dlse=dlse)
+    return tuple(g.astype(stat) for g in grads)
+
+  zeros = lambda x: jnp.zeros(x.shape, stat)
+  rows = (q, out, dout)
+
+  def full(k, v, c):
+    return run(q, k, v, out, lse, dout, dlse, c)
+
+  def kv_first_half(k, v):
+    dq, dk, dv = run(q, k[:, :half_k], v[:, :half_k], out, lse, dout, dlse, _full(cfg))
+    pad = lambda g: jnp.concatenate([g, jnp.zeros(g.shape, stat)], 1)
+    return dq, pad(dk), pad(dv)
+
+  def q_second_half(k, v):
+    qh, oh, doh = (x[:, half_q:] for x in rows)
+    dq, dk, dv = run(qh, k, v, oh, lse[..., half_q:], doh,
+                     None if dlse is None else dlse[..., half_q:], _full(cfg))
+    return jnp.concatenate([jnp.zeros(dq.shape, stat), dq], 1), dk, dv
+
+  branches = [
+      lambda k, v: full(k, v, _full(cfg)),
+      lambda k, v: full(k, v, _diagonal(cfg)),
+      lambda k, v: (zeros(q), zeros(k), zeros(v)),
+      kv_first_half,
+      q_second_half,
+  ]
+
+  def pair(step, k, v, dq, dk, dv):
+    kind = _pair_kind(step, index, n, causal, zigzag)
+    if causal:
+      g = lax.switch(kind, branches, k, v)
+    else:
+      g = branches[_FULL](k, v)
+    dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
+    dk, dv = _rotate((dk, dv), axis_name, n)  # the accumulators travel with their block
+    return dq, dk, dv
+
+  def body(carry, step):
+    k, v, dq, dk, dv = carry
+    next_k, next_v = _rotate((k, v), axis_name, n)  # issued before this block's compute
+    dq, dk, dv = pair(step, k, v, dq, dk, dv)
+    return (next_k, next_v, dq, dk, dv), None
+
+  init = (k, v, zeros(q), zeros(k), zeros(v))
+  (k_last, v_last, dq, dk, dv), _ = lax.scan(body, init, jnp.arange(n - 1))
+  dq, dk, dv = pair(n - 1, k_last, v_last, dq, dk, dv)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Differentiable entry point
+# ---------------------------------------------------------------------------------------------
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _ring_attention(q, k, v, cfg, axis_name, zigzag):
+  return ring_forward(q, k, v, cfg, axis_name, zigzag)[0]
+
+
+def _ring_attention_fwd(q, k, v, cfg, axis_name, zigzag):
+  out, lse = ring_forward(q, k, v, cfg, axis_name, zigzag)
+  return out, (q, k, v, out, lse)
+
+
+def _ring_attention_bwd(cfg, axis_name, zigzag, residuals, dout):
+  q, k, v, out, lse = residuals
+  return ring_backward(q, k, v, out, lse, dout, cfg, axis_name, zigzag)
+
+
+_ring_attention.defvjp(_ring_attention_fwd, _ring_attention_bwd)
+
+
+def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None, window_size=(-1, -1),
+                   softcap=0.0, zigzag=True, deterministic=False):
+  """Sequence-parallel attention; call inside `shard_map`/`pmap` over `axis_name`.
+
+  Args:
+    q: this device's (batch, seqlen_q / n, heads, head_dim) block of the queries.
+    k, v: this device's (batch, seqlen_k / n, heads_k, head_dim) blocks.
+    axis_name: the mesh (or pmap) axis, or tuple of axes, that splits the sequence in n blocks.
+    causal, softmax_scale, softcap, deterministic: as `flash_attention`. Causal needs
+      seqlen_q == seqlen_k. window_size: only (-1, -1) (the ring has no sliding windows).
+    zigzag: for causal attention, the global sequence is in zig-zag order (`zigzag_permute`):
+      device r holds chunks r and 2n-1-r, which balances the work. False: contiguous blocks
+      (device r holds block r; correct, but device n-1 does n times the work of device 0).
+
+  Returns:
+    this device's block of the output, like q.
+  """
+  from jax_fa3._validation import attention_config
+  cfg = attention_config(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                         window_size=window_size, softcap=softcap, deterministic=deterministic)
+  reason = ring_supported(cfg, q.shape[1], k.shape[1])
+  if reason:
+    raise NotImplementedError(reason)
+  if isinstance(axis_name, list):
+    axis_name = tuple(axis_name)
+  return _ring_attention(q, k, v, cfg, axis_name, bool(zigzag))

@@ -1,0 +1,355 @@
+"""Partitioning rules for the attention ops, and sequence-parallel helpers.
+
+An XLA FFI call is opaque to the SPMD partitioner, which would all-gather its operands. Every
+attention op (forward, backward; any op whose operands and results are (b, s, h, d) arrays and
+(b, h, s) row statistics) is therefore wrapped here:
+
+- Auto-mode meshes (and GSPMD): `jax.experimental.custom_partitioning` with a Shardy
+  `sharding_rule` (and the GSPMD `infer_sharding_from_operands` callback for older JAX / Shardy
+  off). Its `partition` callback sees the operands' shardings and picks, per axis:
+    batch     -> stays sharded, runs locally, no collective;
+    heads     -> stays sharded on q and k/v (kv head i // group travels with query head i) when the
+                 mesh axes divide both h and h_k; a trailing mesh axis that does not divide h_k
+                 is dropped (replicated), so e.g. MQA heads are gathered;
+    head_dim  -> replicated (gathered): a score needs the whole of q.k; unavoidable with FA kernels;
+    sequence  -> q and k/v split over the same mesh axes: ring attention (`jax_fa3.ring`, K/V
+                 blocks passed round with collective-permute, contiguous blocks since the data
+                 is in natural order); q split but k/v not (or a configuration the ring does not
+                 run: sliding windows, causal with s_q != s_k): non-windowed attention keeps q
+                 split and gathers k/v; windowed attention gathers the sequence.
+  The same wrapper serves the kernel and the pure-JAX path, so CPU tests exercise it.
+- Explicit-mode meshes (`jax.make_mesh` default in current JAX): shardings are in the types, so the
+  same per-axis plan is applied at trace time with `shard_map` (resharding operands first if the
+  plan differs from their type).
+- Inside `shard_map`/`pmap` (all mesh axes manual) and on one device the op runs as is.
+
+vmap composes: the partitioned op is wrapped in `_batching.fold_vmap_into_batch`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_fa3 import ring as _ring
+from jax_fa3._batching import fold_vmap_into_batch
+from jax_fa3._config import AttentionConfig
+
+# Logical factors: b batch, q query positions, k key positions, n kv heads, g query heads per kv
+# head (query heads = (n g)), d head_dim.
+LAYOUTS = {
+    "q": ("b", "q", "h", "d"),    # (batch, seqlen_q, heads, head_dim): q, out, dout, dq
+    "kv": ("b", "k", "n", "d"),   # (batch, seqlen_k, heads_k, head_dim): k, v, dk, dv
+    "row": ("b", "h", "q"),       # (batch, heads, seqlen_q): lse, dlse
+    "kvhead": ("b", "n"),         # (batch, heads_k): per-(batch, kv head) scales (fp8)
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttentionOp:
+  """An attention op to partition.
+
+  operands/results: layout names of LAYOUTS, one per array. `local(*arrays, cfg)` runs the op on
+  one device's blocks; `ring(*arrays, cfg, axis_name)`, if given, runs it on sequence blocks split
+  over `axis_name` (contiguous order); without it sequence sharding falls back to gathering.
+  """
+  name: str
+  operands: tuple
+  results: tuple
+  local: Callable
+  ring: Callable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Mesh axes per logical factor (tuples of axis names; () = replicated)."""
+  batch: tuple = ()
+  heads: tuple = ()
+  seq_q: tuple = ()
+  seq_k: tuple = ()
+  ring_axes: tuple = ()
+
+  def spec(self, layout: str) -> P:
+    axes = {"b": self.batch, "q": self.seq_q, "k": self.seq_k, "h": self.heads, "n": self.heads,
+            "d": ()}
+    return P(*(_entry(axes[f]) for f in LAYOUTS[layout]))
+
+
+def _entry(axes: tuple):
+  if not axes:
+    return None
+  return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _axes(entry) -> tuple:
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  if isinstance(entry, str):
+    return (entry,)
+  return tuple(a for a in entry if isinstance(a, str))
+
+
+def _spec_axes(spec, ndim) -> tuple:
+  entries = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
+  return tuple(_axes(e) for e in entries[:ndim])
+
+
+def _divisible_prefix(axes, sizes, *dims) -> tuple:
+  """The longest prefix of `axes` whose total size divides every one of `dims`."""
+  out = []
+  for a in axes:
+    m = math.prod(sizes[x] for x in out + [a])
+    if any(d % m for d in dims):
+      break
+    out.append(a)
+  return tuple(out)
+
+
+def plan_partition(op: AttentionOp, shapes, specs, axis_sizes, cfg: AttentionConfig) -> Plan:
+  """Per-factor mesh axes for `op` given its operands' shapes and per-dimension mesh axes."""
+  qi, ki = op.operands.index("q"), op.operands.index("kv")
+  b, s_q, h, _ = shapes[qi]
+  s_k, h_k = shapes[ki][1], shapes[ki][2]
+  q_axes, k_axes = specs[qi], specs[ki]
+  batch = _divisible_prefix(q_axes[0], axis_sizes, b)
+  heads = _divisible_prefix(tuple(a for a in q_axes[2] if a not in batch), axis_sizes, h, h_k)
+  used = set(batch) | set(heads)
+  seq_q = tuple(a for a in q_axes[1] if a not in used)
+  seq_k = tuple(a for a in k_axes[1] if a not in used)
+  n = math.prod(axis_sizes[a] for a in seq_q)
+  if (op.ring is not None and seq_q and seq_q == seq_k and s_q % n == 0 and s_k % n == 0
+      and _ring.ring_supported(cfg, s_q, s_k) is None):
+    return Plan(batch, heads, seq_q, seq_k, ring_axes=seq_q)
+  # Fallback: gather k/v; queries stay split only when no mask depends on their position.
+  unmasked = cfg.window_left < 0 and cfg.window_right < 0
+  seq_q = _divisible_prefix(seq_q, axis_sizes, s_q) if unmasked else ()
+  return Plan(batch, heads, seq_q, ())
+
+
+def _run(op: AttentionOp, plan: Plan, cfg, arrays):
+  if plan.ring_axes:
+    axis = plan.ring_axes[0] if len(plan.ring_axes) == 1 else plan.ring_axes
+    return tuple(op.ring(*arrays, cfg=cfg, axis_name=axis))
+  return tuple(op.local(*arrays, cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# custom_partitioning (Auto meshes, GSPMD)
+# ---------------------------------------------------------------------------------------------
+
+def _sharding_rule(op: AttentionOp, group: int):
+  def factors(layout):
+    names = {"h": "(n g)" if group > 1 else "n"}
+    return " ".join(names.get(f, f) for f in LAYOUTS[layout])
+  rule = (", ".join(factors(l) for l in op.operands) + " -> "
+          + ", ".join(factors(l) for l in op.results))
+  return rule, ({"g": group} if group > 1 else {})
+
+
+def _named_specs(arg_shapes):
+  specs = []
+  for a in arg_shapes:
+    sharding = a.sharding
+    ndim = len(a.shape)
+    if isinstance(sharding, NamedSharding):
+      specs.append(_spec_axes(sharding.spec, ndim))
+    else:  # not expressible on the mesh: treat as replicated (the partitioner reshards)
+      specs.append(((),) * ndim)
+  return specs
+
+
+def _plan_from_shapes(op, cfg, mesh, arg_shapes):
+  sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+  return plan_partition(op, [tuple(a.shape) for a in arg_shapes], _named_specs(arg_shapes), sizes,
+                        cfg)
+
+
+@functools.lru_cache(maxsize=None)
+def _custom_partitioned(op: AttentionOp, group: int):
+  from jax.experimental.custom_partitioning import custom_partitioning
+
+  num = len(op.operands)
+
+  def fn(*args):
+    *arrays, cfg = args
+    return tuple(op.local(*arrays, cfg))
+
+  cp = custom_partitioning(fn, static_argnums=(num,))
+
+  def partition(cfg, mesh, arg_shapes, result_shape):
+    plan = _plan_from_shapes(op, cfg, mesh, arg_shapes)
+    arg_shardings = tuple(NamedSharding(mesh, plan.spec(l)) for l in op.operands)
+    result_shardings = tuple(NamedSharding(mesh, plan.spec(l)) for l in op.results)
+
+    def lower(*arrays):
+      return _run(op, plan, cfg, arrays)
+
+    return mesh, lower, result_shardings, arg_shardings
+
+  def infer(cfg, mesh, arg_shapes, result_shape):
+    plan = _plan_from_shapes(op, cfg, mesh, arg_shapes)
+    return tuple(NamedSharding(mesh, plan.spec(l)) for l in op.results)
+
+  rule, sizes = _sharding_rule(op, group)
+  try:
+    cp.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                     need_replication_factors=("d",), **sizes)
+  except TypeError:  # older JAX: no need_replication_factors keyword (d is still replicated)
+    cp.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **sizes)
+  jitted = jax.jit(cp, static_argnums=(num,))
+  return jitted
+
+
+@functools.lru_cache(maxsize=None)
+def _vmappable(op: AttentionOp, group: int, cfg: AttentionConfig):
+  jitted = _custom_partitioned(op, group)
+  return fold_vmap_into_batch(lambda *arrays: jitted(*arrays, cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# Explicit meshes (sharding in types): shard_map with the same plan
+# ---------------------------------------------------------------------------------------------
+
+def shard_map(f, mesh, in_specs, out_specs):
+  """`jax.shard_map` (JAX >= 0.7) or `jax.experimental.shard_map.shard_map`, unchecked."""
+  if hasattr(jax, "shard_map"):
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+  from jax.experimental.shard_map import shard_map as legacy  # JAX < 0.7
+  return legacy(f, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def _explicit_mesh(arrays):
+  """(abstract mesh, per-array per-dim axes) if the arrays carry Explicit mesh axes, else None."""
+  axis_type = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
+  typeof = getattr(jax, "typeof", None)
+  if axis_type is None or typeof is None:
+    return None
+  avals = [typeof(x) for x in arrays]
+  sharding = getattr(avals[0], "sharding", None)
+  mesh = getattr(sharding, "mesh", None)
+  if mesh is None or not getattr(mesh, "axis_names", ()) or math.prod(mesh.axis_sizes) == 1:
+    return None
+  if not any(t == axis_type for t in mesh.axis_types):
+    return None
+  specs = [_spec_axes(a.sharding.spec, a.ndim) for a in avals]
+  return mesh, specs
+
+
+def _call_explicit(op, arrays, cfg, mesh, specs):
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  plan = plan_partition(op, [tuple(x.shape) for x in arrays], specs, sizes, cfg)
+  in_specs = tuple(plan.spec(l) for l in op.operands)
+  arrays = [x if _spec_axes(s, x.ndim) == have else _reshard(x, mesh, s)
+            for x, s, have in zip(arrays, in_specs, specs)]
+  body = lambda *a: _run(op, plan, cfg, a)
+  out_specs = tuple(plan.spec(l) for l in op.results)
+  return shard_map(body, mesh, in_specs, out_specs)(*arrays)
+
+
+def _reshard(x, mesh, spec):
+  return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------------------------
+
+def call_partitioned(op: AttentionOp, arrays, cfg: AttentionConfig):
+  """Runs `op` on `arrays` with the partitioning rules above; returns its results (a tuple)."""
+  explicit = _explicit_mesh(arrays)
+  if explicit is not None:
+    return _call_explicit(op, list(arrays), cfg, *explicit)
+  qi, ki = op.operands.index("q"), op.operands.index("kv")
+  group = arrays[qi].shape[2] // arrays[ki].shape[2]
+  return tuple(_vmappable(op, group, cfg)(*arrays))
+
+
+def _local_forward(q, k, v, cfg):
+  from jax_fa3 import _ops
+  return _ops.forward_local(q, k, v, cfg)
+
+
+def _local_backward(q, k, v, out, lse, dout, cfg):
+  from jax_fa3 import _ops
+  return _ops.backward_local(q, k, v, out, lse, dout, cfg)
+
+
+def _local_backward_dlse(q, k, v, out, lse, dout, dlse, cfg):
+  from jax_fa3 import _ops
+  return _ops.backward_local(q, k, v, out, lse, dout, cfg, dlse=dlse)
+
+
+def _ring_forward(q, k, v, *, cfg, axis_name):
+  return _ring.ring_forward(q, k, v, cfg, axis_name, zigzag=False)
+
+
+def _ring_backward(q, k, v, out, lse, dout, *, cfg, axis_name):
+  return _ring.ring_backward(q, k, v, out, lse, dout, cfg, axis_name, zigzag=False)
+
+
+def _ring_backward_dlse(q, k, v, out, lse, dout, dlse, *, cfg, axis_name):
+  return _ring.ring_backward(q, k, v, out, lse, dout, cfg, axis_name, zigzag=False, dlse=dlse)
+
+
+FORWARD = AttentionOp("flash_fwd", ("q", "kv", "kv"), ("q", "row"), _local_forward, _ring_forward)
+BACKWARD = AttentionOp("flash_bwd", ("q", "kv", "kv", "q", "row", "q"), ("q", "kv", "kv"),
+                       _local_backward, _ring_backward)
+BACKWARD_DLSE = AttentionOp("flash_bwd_dlse", ("q", "kv", "kv", "q", "row", "q", "row"),
+                            ("q", "kv", "kv"), _local_backward_dlse, _ring_backward_dlse)
+
+
+def partitioned_forward(q, k, v, cfg: AttentionConfig):
+  return call_partitioned(FORWARD, (q, k, v), cfg)
+
+
+def partitioned_backward(q, k, v, out, lse, dout, cfg: AttentionConfig, dlse=None):
+  if dlse is None:
+    return call_partitioned(BACKWARD, (q, k, v, out, lse, dout), cfg)
+  return call_partitioned(BACKWARD_DLSE, (q, k, v, out, lse, dout, dlse), cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sequence parallelism for the user
+# ---------------------------------------------------------------------------------------------
+
+def sequence_parallel_attention(q, k, v, *, seq_axis, mesh=None, batch_axis=None, head_axis=None,
+                                causal=False, softmax_scale=None, softcap=0.0, zigzag=False,
+                                deterministic=False):
+  """Ring attention over `seq_axis` for global (b, s, h, d) arrays, usable under plain `jit`.
+
+  Applies `shard_map` with q, k, v split as P(batch_axis, seq_axis, head_axis, None) and runs
+  `jax_fa3.ring_attention` inside; differentiable. `zigzag=True` declares that the sequence axis
+  of q, k, v is already in zig-zag order (`zigzag_permute(x, mesh.shape[seq_axis])`), which
+  balances causal work; the output is then in the same order. `mesh` defaults to the mesh set
+  with `jax.set_mesh` / `jax.sharding.use_mesh`.
+  """
+  if mesh is None:
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    mesh = get() if get is not None else None
+    if mesh is None or not getattr(mesh, "axis_names", ()):
+      raise ValueError("sequence_parallel_attention needs mesh= (or a mesh set with jax.set_mesh)")
+  spec = P(batch_axis, seq_axis, head_axis, None)
+
+  def body(q, k, v):
+    return _ring.ring_attention(q, k, v, axis_name=seq_axis, causal=causal,
+                                softmax_scale=softmax_scale, softcap=softcap, zigzag=zigzag,
+                                deterministic=deterministic)
+
+  explicit = _explicit_mesh((q, k, v))
+  if explicit is not None:  # sharding in types: put the operands where shard_map expects them
+    q, k, v = (x if _spec_axes(spec, 4) == have else _reshard(x, explicit[0], spec)
+               for x, have in zip((q, k, v), explicit[1]))
+  return shard_map(body, mesh, (spec, spec, spec), spec)(q, k, v)
+
+
+zigzag_indices = _ring.zigzag_indices
+zigzag_permute = _ring.zigzag_permute
+zigzag_unpermute = _ring.zigzag_unpermute
+
+__all__ = ["AttentionOp", "Plan", "plan_partition", "call_partitioned", "partitioned_forward",
+           "partitioned_backward", "sequence_parallel_attention", "shard_map", "zigzag_indices",
+           "zigzag_permute", "zigzag_unpermute"]
