@@ -30,10 +30,6 @@ from jax import lax
 
 from jax_fa3._config import AttentionConfig
 
-# Kinds of (query block, key/value block) pairs.
-_FULL, _DIAGONAL, _SKIP, _KV_FIRST_HALF, _Q_SECOND_HALF = range(5)
-
-
 # ---------------------------------------------------------------------------------------------
 # Zig-zag token order
 # ---------------------------------------------------------------------------------------------
@@ -96,15 +92,9 @@ def _diagonal(cfg):
                          deterministic=cfg.deterministic)
 
 
-def _pair_kind(step, index, n, causal, zigzag):
-  """Kind of the pair (own queries, key/value block of device index - step)."""
-  if not causal:
-    return jnp.int32(_FULL)
-  source = (index - step) % n
-  later = _Q_SECOND_HALF if zigzag else _SKIP
-  earlier = _KV_FIRST_HALF if zigzag else _FULL
-  return jnp.where(step == 0, _DIAGONAL,
-                   jnp.where(source < index, earlier, later)).astype(jnp.int32)
+def _earlier(step, index, n):
+  """Whether the key/value block held at `step` (that of device index - step) precedes ours."""
+  return (index - step) % n < index
 
 
 def _local_ops():
@@ -148,55 +138,52 @@ def ring_forward(q, k, v, cfg: AttentionConfig, axis_name, zigzag: bool = True,
   n = _axis_size(axis_name)
   index = lax.axis_index(axis_name)
   causal = cfg.is_causal
-  zigzag = bool(zigzag) and causal and n > 1
-  if zigzag and q.shape[1] % 2:
-    raise ValueError(f"zig-zag ring attention needs an even local seqlen, got {q.shape[1]}")
+  _check_zigzag(zigzag, causal, q, k)
   b, s_q, h, d = q.shape
-  s_k = k.shape[1]
   stat = _stat_dtype(q)
-  half_q, half_k = s_q // 2, s_k // 2
-
-  def empty_stats(rows):
-    return jnp.zeros((b, rows, h, d), stat), jnp.full((b, h, rows), -jnp.inf, stat)
-
-  def pad_rows(o, l, before):  # result for some query rows -> all rows, -inf lse elsewhere
-    zo, zl = empty_stats(before if before else s_q - o.shape[1])
-    if before:
-      return jnp.concatenate([zo, o.astype(stat)], 1), jnp.concatenate([zl, l.astype(stat)], 2)
-    return jnp.concatenate([o.astype(stat), zo], 1), jnp.concatenate([l.astype(stat), zl], 2)
+  half_q, half_k = s_q // 2, k.shape[1] // 2
+  full = _full(cfg)
 
   def as_stats(o, l):
     return o.astype(stat), l.astype(stat)
 
-  branches = [
-      lambda q, k, v: as_stats(*block_forward(q, k, v, _full(cfg))),            # _FULL
-      lambda q, k, v: as_stats(*block_forward(q, k, v, _diagonal(cfg))),        # _DIAGONAL
-      lambda q, k, v: empty_stats(s_q),                                          # _SKIP
-      lambda q, k, v: as_stats(*block_forward(q, k[:, :half_k], v[:, :half_k],   # _KV_FIRST_HALF
-                                              _full(cfg))),
-      lambda q, k, v: pad_rows(*block_forward(q[:, half_q:], k, v, _full(cfg)),  # _Q_SECOND_HALF
-                               before=half_q),
-  ]
+  def earlier(k, v):  # the key/value block precedes all our queries
+    if zigzag:  # its first chunk precedes both of ours, its second follows both
+      return as_stats(*block_forward(q, k[:, :half_k], v[:, :half_k], full))
+    return as_stats(*block_forward(q, k, v, full))
 
-  def pair(step, k, v, out, lse):
-    kind = _pair_kind(step, index, n, causal, zigzag)
-    if causal:
-      block_out, block_lse = lax.switch(kind, branches, q, k, v)
-    else:
-      block_out, block_lse = branches[_FULL](q, k, v)
-    return _merge(out, lse, block_out, block_lse)
+  def later(k, v):  # the key/value block follows our (first) query chunk
+    if zigzag:  # both its chunks precede our second chunk only
+      o, l = as_stats(*block_forward(q[:, half_q:], k, v, full))
+      return (jnp.concatenate([jnp.zeros((b, half_q, h, d), stat), o], 1),
+              jnp.concatenate([jnp.full((b, h, half_q), -jnp.inf, stat), l], 2))
+    return jnp.zeros((b, s_q, h, d), stat), jnp.full((b, h, s_q), -jnp.inf, stat)
 
   def body(carry, step):
     k, v, out, lse = carry
     next_k, next_v = _rotate((k, v), axis_name, n)  # issued before this block's compute
-    out, lse = pair(step, k, v, out, lse)
+    if causal:
+      block = lax.cond(_earlier(step, index, n), earlier, later, k, v)
+    else:
+      block = as_stats(*block_forward(q, k, v, full))
+    out, lse = _merge(out, lse, *block)
     return (next_k, next_v, out, lse), None
 
-  out, lse = empty_stats(s_q)
-  (k, v, out, lse), _ = lax.scan(body, (k, v, out, lse), jnp.arange(n - 1))
-  out, lse = pair(n - 1, k, v, out, lse)
+  # Step 0, our own block: the causal diagonal (or full).
+  next_k, next_v = _rotate((k, v), axis_name, n)
+  out, lse = as_stats(*block_forward(q, k, v, cfg if causal else full))
+  lse = jnp.where(jnp.isposinf(lse), -jnp.inf, lse)
+  # Steps 1 .. n-1. (The last step's rotation is not needed: one block transfer too many,
+  # overlapped with the last compute, for a single copy of the step in the program.)
+  (_, _, out, lse), _ = lax.scan(body, (next_k, next_v, out, lse), jnp.arange(1, n))
   lse = jnp.where(jnp.isneginf(lse), jnp.inf, lse)
   return out.astype(q.dtype), lse
+
+
+def _check_zigzag(zigzag, causal, q, k):
+  if zigzag and causal and (q.shape[1] % 2 or k.shape[1] % 2):
+    raise ValueError(f"zig-zag ring attention needs even local seqlens (two chunks per device), "
+                     f"got {q.shape[1]} and {k.shape[1]}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,8 +194,8 @@ def ring_backward(q, k, v, out, lse, dout, cfg: AttentionConfig, axis_name, zigz
                   dlse=None, block_backward=None):
   """(dq, dk, dv) for `ring_forward`'s out and lse (the merged, global ones) and cotangent dout.
 
-  K/V blocks go round the ring once more, each with its dK/dV accumulator; after the last pair
-  one more rotation brings every accumulator back to the device that owns the block.
+  K/V blocks go round the ring once more, each with its dK/dV accumulator; the accumulator moves
+  on after every step, so after step n-1 it is back on the device that owns the block.
   """
   reason = ring_supported(cfg, q.shape[1], k.shape[1])
   if reason:
@@ -218,10 +205,10 @@ def ring_backward(q, k, v, out, lse, dout, cfg: AttentionConfig, axis_name, zigz
   n = _axis_size(axis_name)
   index = lax.axis_index(axis_name)
   causal = cfg.is_causal
-  zigzag = bool(zigzag) and causal and n > 1
-  s_q, s_k = q.shape[1], k.shape[1]
+  _check_zigzag(zigzag, causal, q, k)
   stat = _stat_dtype(q)
-  half_q, half_k = s_q // 2, s_k // 2
+  half_q, half_k = q.shape[1] // 2, k.shape[1] // 2
+  full = _full(cfg)
 
   def run(q, k, v, out, lse, dout, dlse, c):
     if dlse is None:
@@ -231,51 +218,37 @@ def ring_backward(q, k, v, out, lse, dout, cfg: AttentionConfig, axis_name, zigz
     return tuple(g.astype(stat) for g in grads)
 
   zeros = lambda x: jnp.zeros(x.shape, stat)
-  rows = (q, out, dout)
 
-  def full(k, v, c):
-    return run(q, k, v, out, lse, dout, dlse, c)
+  def earlier(k, v):
+    if zigzag:
+      dq, dk, dv = run(q, k[:, :half_k], v[:, :half_k], out, lse, dout, dlse, full)
+      pad = lambda g: jnp.concatenate([g, jnp.zeros(g.shape, stat)], 1)
+      return dq, pad(dk), pad(dv)
+    return run(q, k, v, out, lse, dout, dlse, full)
 
-  def kv_first_half(k, v):
-    dq, dk, dv = run(q, k[:, :half_k], v[:, :half_k], out, lse, dout, dlse, _full(cfg))
-    pad = lambda g: jnp.concatenate([g, jnp.zeros(g.shape, stat)], 1)
-    return dq, pad(dk), pad(dv)
-
-  def q_second_half(k, v):
-    qh, oh, doh = (x[:, half_q:] for x in rows)
-    dq, dk, dv = run(qh, k, v, oh, lse[..., half_q:], doh,
-                     None if dlse is None else dlse[..., half_q:], _full(cfg))
-    return jnp.concatenate([jnp.zeros(dq.shape, stat), dq], 1), dk, dv
-
-  branches = [
-      lambda k, v: full(k, v, _full(cfg)),
-      lambda k, v: full(k, v, _diagonal(cfg)),
-      lambda k, v: (zeros(q), zeros(k), zeros(v)),
-      kv_first_half,
-      q_second_half,
-  ]
-
-  def pair(step, k, v, dq, dk, dv):
-    kind = _pair_kind(step, index, n, causal, zigzag)
-    if causal:
-      g = lax.switch(kind, branches, k, v)
-    else:
-      g = branches[_FULL](k, v)
-    dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
-    dk, dv = _rotate((dk, dv), axis_name, n)  # the accumulators travel with their block
-    return dq, dk, dv
+  def later(k, v):
+    if zigzag:
+      second = lambda x: None if x is None else x[:, half_q:]
+      dq, dk, dv = run(second(q), k, v, second(out), lse[..., half_q:], second(dout),
+                       None if dlse is None else dlse[..., half_q:], full)
+      return jnp.concatenate([jnp.zeros(dq.shape, stat), dq], 1), dk, dv
+    return zeros(q), zeros(k), zeros(v)
 
   def body(carry, step):
     k, v, dq, dk, dv = carry
     next_k, next_v = _rotate((k, v), axis_name, n)  # issued before this block's compute
-    dq, dk, dv = pair(step, k, v, dq, dk, dv)
-    return (next_k, next_v, dq, dk, dv), None
+    if causal:
+      g = lax.cond(_earlier(step, index, n), earlier, later, k, v)
+    else:
+      g = run(q, k, v, out, lse, dout, dlse, full)
+    dk, dv = _rotate((dk + g[1], dv + g[2]), axis_name, n)  # accumulators travel with the block
+    return (next_k, next_v, dq + g[0], dk, dv), None
 
-  init = (k, v, zeros(q), zeros(k), zeros(v))
-  (k_last, v_last, dq, dk, dv), _ = lax.scan(body, init, jnp.arange(n - 1))
-  dq, dk, dv = pair(n - 1, k_last, v_last, dq, dk, dv)
+  next_k, next_v = _rotate((k, v), axis_name, n)
+  dq, dk, dv = run(q, k, v, out, lse, dout, dlse, cfg if causal else full)
+  dk, dv = _rotate((dk, dv), axis_name, n)
+  (_, _, dq, dk, dv), _ = lax.scan(body, (next_k, next_v, dq, dk, dv), jnp.arange(1, n))
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
 
 # ---------------------------------------------------------------------------------------------
 # Differentiable entry point

@@ -10,7 +10,8 @@ attention op (forward, backward; any op whose operands and results are (b, s, h,
     batch     -> stays sharded, runs locally, no collective;
     heads     -> stays sharded on q and k/v (kv head i // group travels with query head i) when the
                  mesh axes divide both h and h_k; a trailing mesh axis that does not divide h_k
-                 is dropped (replicated), so e.g. MQA heads are gathered;
+                 is dropped (replicated: gathered). MQA (h_k = 1): query heads stay sharded, the
+                 k/v head is replicated, and the backward sums dk/dv over the head shards (psum);
     head_dim  -> replicated (gathered): a score needs the whole of q.k; unavoidable with FA kernels;
     sequence  -> q and k/v split over the same mesh axes: ring attention (`jax_fa3.ring`, K/V
                  blocks passed round with collective-permute, contiguous blocks since the data
@@ -72,10 +73,11 @@ class Plan:
   seq_q: tuple = ()
   seq_k: tuple = ()
   ring_axes: tuple = ()
+  kv_heads: tuple = ()  # = heads, or () for MQA with sharded query heads (k/v replicated)
 
   def spec(self, layout: str) -> P:
-    axes = {"b": self.batch, "q": self.seq_q, "k": self.seq_k, "h": self.heads, "n": self.heads,
-            "d": ()}
+    axes = {"b": self.batch, "q": self.seq_q, "k": self.seq_k, "h": self.heads,
+            "n": self.kv_heads, "d": ()}
     return P(*(_entry(axes[f]) for f in LAYOUTS[layout]))
 
 
@@ -116,38 +118,55 @@ def plan_partition(op: AttentionOp, shapes, specs, axis_sizes, cfg: AttentionCon
   s_k, h_k = shapes[ki][1], shapes[ki][2]
   q_axes, k_axes = specs[qi], specs[ki]
   batch = _divisible_prefix(q_axes[0], axis_sizes, b)
-  heads = _divisible_prefix(tuple(a for a in q_axes[2] if a not in batch), axis_sizes, h, h_k)
+  head_axes = tuple(a for a in q_axes[2] if a not in batch)
+  if h_k == 1:  # MQA: query heads split freely, the single k/v head is replicated
+    heads = _divisible_prefix(head_axes, axis_sizes, h)
+    kv_heads = ()
+  else:  # GQA/MHA: kv head i // group stays with query head i
+    heads = kv_heads = _divisible_prefix(head_axes, axis_sizes, h, h_k)
   used = set(batch) | set(heads)
   seq_q = tuple(a for a in q_axes[1] if a not in used)
   seq_k = tuple(a for a in k_axes[1] if a not in used)
   n = math.prod(axis_sizes[a] for a in seq_q)
   if (op.ring is not None and seq_q and seq_q == seq_k and s_q % n == 0 and s_k % n == 0
       and _ring.ring_supported(cfg, s_q, s_k) is None):
-    return Plan(batch, heads, seq_q, seq_k, ring_axes=seq_q)
+    return Plan(batch, heads, seq_q, seq_k, ring_axes=seq_q, kv_heads=kv_heads)
   # Fallback: gather k/v; queries stay split only when no mask depends on their position.
   unmasked = cfg.window_left < 0 and cfg.window_right < 0
   seq_q = _divisible_prefix(seq_q, axis_sizes, s_q) if unmasked else ()
-  return Plan(batch, heads, seq_q, ())
+  return Plan(batch, heads, seq_q, (), kv_heads=kv_heads)
 
 
 def _run(op: AttentionOp, plan: Plan, cfg, arrays):
   if plan.ring_axes:
     axis = plan.ring_axes[0] if len(plan.ring_axes) == 1 else plan.ring_axes
-    return tuple(op.ring(*arrays, cfg=cfg, axis_name=axis))
-  return tuple(op.local(*arrays, cfg))
+    results = tuple(op.ring(*arrays, cfg=cfg, axis_name=axis))
+  else:
+    results = tuple(op.local(*arrays, cfg))
+  if plan.heads and not plan.kv_heads:  # MQA: k/v-shaped results are partial over query heads
+    results = tuple(jax.lax.psum(r, plan.heads) if l in ("kv", "kvhead") else r
+                    for r, l in zip(results, op.results))
+  return results
 
 
 # ---------------------------------------------------------------------------------------------
 # custom_partitioning (Auto meshes, GSPMD)
 # ---------------------------------------------------------------------------------------------
 
-def _sharding_rule(op: AttentionOp, group: int):
+def _sharding_rule(op: AttentionOp, group: int, kv_heads: int):
+  """Einsum-like Shardy rule; query heads are the compound factor (n g) of kv heads n, group g."""
+  if group == 1:
+    names, sizes = {"h": "n"}, {}
+  elif kv_heads == 1:  # MQA: Shardy refuses a size-1 factor in a compound; keep them apart
+    names, sizes = {"h": "g"}, {}
+  else:
+    names, sizes = {"h": "(n g)"}, {"g": group}
+
   def factors(layout):
-    names = {"h": "(n g)" if group > 1 else "n"}
     return " ".join(names.get(f, f) for f in LAYOUTS[layout])
   rule = (", ".join(factors(l) for l in op.operands) + " -> "
           + ", ".join(factors(l) for l in op.results))
-  return rule, ({"g": group} if group > 1 else {})
+  return rule, sizes
 
 
 def _named_specs(arg_shapes):
@@ -169,7 +188,7 @@ def _plan_from_shapes(op, cfg, mesh, arg_shapes):
 
 
 @functools.lru_cache(maxsize=None)
-def _custom_partitioned(op: AttentionOp, group: int):
+def _custom_partitioned(op: AttentionOp, group: int, kv_heads: int):
   from jax.experimental.custom_partitioning import custom_partitioning
 
   num = len(op.operands)
@@ -194,7 +213,7 @@ def _custom_partitioned(op: AttentionOp, group: int):
     plan = _plan_from_shapes(op, cfg, mesh, arg_shapes)
     return tuple(NamedSharding(mesh, plan.spec(l)) for l in op.results)
 
-  rule, sizes = _sharding_rule(op, group)
+  rule, sizes = _sharding_rule(op, group, kv_heads)
   try:
     cp.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
                      need_replication_factors=("d",), **sizes)
@@ -205,8 +224,8 @@ def _custom_partitioned(op: AttentionOp, group: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _vmappable(op: AttentionOp, group: int, cfg: AttentionConfig):
-  jitted = _custom_partitioned(op, group)
+def _vmappable(op: AttentionOp, group: int, kv_heads: int, cfg: AttentionConfig):
+  jitted = _custom_partitioned(op, group, kv_heads)
   return fold_vmap_into_batch(lambda *arrays: jitted(*arrays, cfg))
 
 
@@ -264,8 +283,8 @@ def call_partitioned(op: AttentionOp, arrays, cfg: AttentionConfig):
   if explicit is not None:
     return _call_explicit(op, list(arrays), cfg, *explicit)
   qi, ki = op.operands.index("q"), op.operands.index("kv")
-  group = arrays[qi].shape[2] // arrays[ki].shape[2]
-  return tuple(_vmappable(op, group, cfg)(*arrays))
+  kv_heads = arrays[ki].shape[2]
+  return tuple(_vmappable(op, arrays[qi].shape[2] // kv_heads, kv_heads, cfg)(*arrays))
 
 
 def _local_forward(q, k, v, cfg):
