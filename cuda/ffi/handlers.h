@@ -4,4 +4,5 @@
 #include "xla/ffi/api/api.h"
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFa3Hadamard);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFa3FlashFwd);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxFa3FlashBwd);

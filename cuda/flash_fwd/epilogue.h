@@ -1,0 +1,72 @@
+// Epilogue of one tile: O (already normalized, fp32 in the PV accumulator) -> Element -> shared
+// memory (Q's buffer, see producer.h) with stmatrix -> one TMA store that clips rows >= s_q and
+// columns >= d; LSE straight from registers.
+#pragma once
+#include "flash_fwd/cute_config.h"
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+
+#include "flash_fwd/barriers.h"
+#include "flash_fwd/kernel_params.h"
+#include "flash_fwd/softmax.h"
+
+namespace jax_fa3::fwd {
+
+using namespace cute;
+
+// thread_idx: 0..255 over the consumer warpgroups. lse: this thread's two rows.
+template <class Traits, class FragO>
+__device__ __forceinline__ void store_tile(KernelParams<Traits> const& p,
+                                           typename Traits::SharedStorage& ss, FragO const& tOrO,
+                                           const float (&lse)[2], const TileCoord& c,
+                                           int thread_idx) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const FlashFwdScalars& sc = p.s;
+
+  // fp32 -> Element in the accumulator's register order.
+  Tensor tOrO_out = make_tensor_like<Element>(tOrO);
+#pragma unroll
+  for (int i = 0; i < size(tOrO); ++i) tOrO_out(i) = static_cast<Element>(tOrO(i));
+
+  // Q's buffer is free for this warpgroup's rows: its last S = QK^T wgmma has completed, and
+  // the other warpgroup only reads (and writes) its own 64 rows.
+  Tensor sO = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutO{});
+  auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{},
+                                     typename Traits::TiledMmaPV{});
+  auto thr_copy = smem_copy.get_thread_slice(thread_idx);
+  copy(smem_copy, thr_copy.retile_S(tOrO_out), thr_copy.partition_D(sO));
+
+  // stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
+  cutlass::arch::fence_view_async_shared();
+  named_barrier_sync(kBarrierConsumers, Traits::kNumConsumerThreads);
+  if (thread_idx == 0) {
+    Tensor mO = p.tma_o.get_tma_tensor(GmemShape(sc.s_q, sc.d, sc.h, sc.b));
+    Tensor gO = local_tile(mO(_, _, c.head, c.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                           make_coord(c.m_block, _0{}));
+    auto [tOgO, tOsO] = tma_partition(p.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO),
+                                      group_modes<0, 2>(gO));
+    copy(p.tma_o, tOsO, tOgO);
+    tma_store_arrive();
+    // Only the shared-memory reads must be done before Q's buffer is refilled; the global
+    // writes complete on their own before the kernel does.
+    tma_store_wait<0>();
+    mbar_arrive(&ss.q_empty);
+  }
+
+  // LSE (b, h, s_q): the quad's lane 0 writes its two rows.
+  const int thread_in_wg = thread_idx % 128;
+  if (thread_in_wg % 4 == 0) {
+    const FragCoord fc = FragCoord::of_thread(thread_in_wg);
+    const int row = c.m_block * kBlockM + 64 * (thread_idx / 128) + fc.row0;
+    float* lse_row = sc.lse + (int64_t(c.batch) * sc.h + c.head) * sc.s_q;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (row + 8 * r < sc.s_q) lse_row[row + 8 * r] = lse[r];
+    }
+  }
+}
+
+}  // namespace jax_fa3::fwd

@@ -1,0 +1,45 @@
+// The persistent, warp-specialized forward kernel: warpgroup 0 produces (TMA), warpgroups 1..2
+// consume (wgmma + softmax + epilogue).
+#pragma once
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "flash_fwd/barriers.h"
+#include "flash_fwd/consumer.h"
+#include "flash_fwd/kernel_params.h"
+#include "flash_fwd/producer.h"
+
+namespace jax_fa3::fwd {
+
+// __launch_bounds__(threads, 1) caps registers at entry (65536 / 384 -> 168), which setmaxnreg
+// needs; the producer then gives registers back and the consumers raise theirs to 240.
+template <class Traits>
+__global__ void __launch_bounds__(Traits::kNumThreads, 1)
+    flash_fwd_kernel(CUTE_GRID_CONSTANT const KernelParams<Traits> params) {
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
+  const int warp_group = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    mbar_init(&ss.q_full, 1);
+    mbar_init(&ss.q_empty, 1);
+#pragma unroll
+    for (int s = 0; s < Traits::kStages; ++s) {
+      mbar_init(&ss.k_full[s], 1);
+      mbar_init(&ss.v_full[s], 1);
+      mbar_init(&ss.k_empty[s], Traits::kNumConsumerThreads / 32);
+      mbar_init(&ss.v_empty[s], Traits::kNumConsumerThreads / 32);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warp_group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    if (threadIdx.x == 0) run_producer<Traits>(params, ss);
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+    run_consumer<Traits>(params, ss, threadIdx.x - 128);
+  }
+}
+
+}  // namespace jax_fa3::fwd

@@ -1,0 +1,52 @@
+// The kernel's parameter block: TMA descriptors (built on the host in launch.h, passed by value as
+// a __grid_constant__ so the descriptors live in parameter space as TMA requires), the scalars and
+// the tile scheduler.
+#pragma once
+#include "flash_fwd/cute_config.h"
+#include <cute/tensor.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+
+#include "flash_fwd/params.h"
+#include "flash_fwd/tile_scheduler.h"
+
+namespace jax_fa3::fwd {
+
+using namespace cute;
+
+// Global tensors are seen as (seq, d, head, batch): d contiguous, so a (kBlock, kHeadDim) box at
+// (block, 0, head, batch) is one tile. The real d (<= bucket) is the tensor's extent, so the
+// bucket-wide box reads zeros past it and the store clips at it; likewise for seq tails.
+using GmemShape = Shape<int32_t, int32_t, int32_t, int32_t>;
+using GmemStride = Stride<int64_t, _1, int64_t, int64_t>;
+
+template <class Element>
+auto make_gmem_tensor(Element* ptr, int seq, int d, int heads, int batch) {
+  const int64_t row = int64_t(heads) * d;
+  return make_tensor(make_gmem_ptr(ptr), GmemShape(seq, d, heads, batch),
+                     GmemStride(row, _1{}, int64_t(d), row * seq));
+}
+
+template <class Traits>
+struct KernelParams {
+  using Element = typename Traits::Element;
+  using TileQ = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
+  using TileKV = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>;
+  using GmemIn = decltype(make_gmem_tensor(static_cast<Element const*>(nullptr), 1, 1, 1, 1));
+  using GmemOut = decltype(make_gmem_tensor(static_cast<Element*>(nullptr), 1, 1, 1, 1));
+
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemIn>(),
+                                      typename Traits::SmemLayoutQ{}, TileQ{}, _1{}));
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemIn>(),
+                                       take<0, 2>(typename Traits::SmemLayoutK{}), TileKV{}, _1{}));
+  using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<GmemOut>(),
+                                      typename Traits::SmemLayoutO{}, TileQ{}, _1{}));
+
+  TmaQ tma_q;
+  TmaKV tma_k;
+  TmaKV tma_v;
+  TmaO tma_o;
+  FlashFwdScalars s;
+  TileScheduler scheduler;
+};
+
+}  // namespace jax_fa3::fwd

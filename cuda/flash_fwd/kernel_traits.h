@@ -1,0 +1,105 @@
+// Compile-time shape of one forward instantiation: tile sizes, shared-memory layouts, wgmma
+// tiled MMAs, and the shared-storage struct. Everything a bucket decides lives here.
+#pragma once
+#include "flash_fwd/cute_config.h"
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cute/atom/copy_atom.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/numeric_types.h>
+
+namespace jax_fa3::fwd {
+
+using namespace cute;
+
+// kBlockN per head-dim bucket (kBlockM is 128 = 2 consumer warpgroups x 64 rows everywhere).
+// Budget: Q (aliased by O) + 2 stages of K and V must fit in 227 KB (232448 B); the consumer's
+// registers hold S (kBlockN/2 fp32), O (d/2 fp32) and P (kBlockN/4 32-bit) per thread below 240.
+//   d64 : 128x192 -> 16K + 2*2*24K  = 112 KB   S 96 + O 32 regs
+//   d96 : 128x144 -> 24K + 2*2*27K  = 132 KB   S 72 + O 48
+//   d128: 128x176 -> 32K + 2*2*44K  = 208 KB   S 88 + O 64   (FA3's non-causal choice)
+//   d192: 128x112 -> 48K + 2*2*42K  = 216 KB   S 56 + O 96
+//   d256: 128x80  -> 64K + 2*2*40K  = 224 KB   S 40 + O 128
+template <int kHeadDim> struct BlockN;
+template <> struct BlockN<64> { static constexpr int value = 192; };
+template <> struct BlockN<96> { static constexpr int value = 144; };
+template <> struct BlockN<128> { static constexpr int value = 176; };
+template <> struct BlockN<192> { static constexpr int value = 112; };
+template <> struct BlockN<256> { static constexpr int value = 80; };
+
+// The widest GMMA swizzle whose atom width divides the head dim (d96 cannot use 128 B rows).
+template <typename Element, int kHeadDim>
+constexpr auto smem_atom_k_major() {
+  if constexpr (kHeadDim % 64 == 0) {
+    return GMMA::Layout_K_SW128_Atom<Element>{};
+  } else if constexpr (kHeadDim % 32 == 0) {
+    return GMMA::Layout_K_SW64_Atom<Element>{};
+  } else {
+    return GMMA::Layout_K_SW32_Atom<Element>{};
+  }
+}
+
+template <int kHeadDim_, typename Element_>
+struct KernelTraits {
+  using Element = Element_;
+  using ElementAccum = float;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = BlockN<kHeadDim>::value;
+  static constexpr int kStages = 2;
+  static constexpr int kNumConsumerWarpGroups = kBlockM / 64;
+  static constexpr int kNumThreads = 128 * (kNumConsumerWarpGroups + 1);  // + producer WG
+  static constexpr int kNumConsumerThreads = 128 * kNumConsumerWarpGroups;
+  // setmaxnreg budgets: 128 * (24 + 2 * 240) = 64512 <= 65536 registers per SM.
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  static_assert(kBlockN % 16 == 0, "kBlockN is the K of the PV wgmma (k16 steps)");
+  static_assert(kHeadDim % 16 == 0, "head dim bucket is the N of the PV wgmma and the stmatrix width");
+
+  using TileShape = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
+
+  // S = Q K^T: both operands from shared memory, K-major (d contiguous). One 64-row wgmma atom per
+  // consumer warpgroup, stacked along M.
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      Layout<Shape<Int<kNumConsumerWarpGroups>, _1, _1>>{}));
+  // O += P V: P from registers (RS), V^T from shared memory where d (the N of this GEMM) is the
+  // contiguous dimension, i.e. an MN-major B operand (wgmma transposes 16-bit B for free).
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<Int<kNumConsumerWarpGroups>, _1, _1>>{}));
+
+  using SmemAtom = decltype(smem_atom_k_major<Element, kHeadDim>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutO = SmemLayoutQ;  // O is staged in Q's buffer (see epilogue.h)
+  using SmemLayoutK = decltype(tile_to_shape(
+      SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutV = SmemLayoutK;
+  // The same V bytes seen as (d, kBlockN, stage): the B operand of the PV GEMM. With the K-major
+  // atom transposed, this is exactly the MN-major canonical GMMA layout.
+  using SmemLayoutVt = decltype(composition(
+      SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
+                                         Step<_2, _1, _3>{})));
+
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;  // also O
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
+    // mbarriers (see mainloop.h for the protocol)
+    uint64_t q_full;
+    uint64_t q_empty;
+    uint64_t k_full[kStages];
+    uint64_t k_empty[kStages];
+    uint64_t v_full[kStages];
+    uint64_t v_empty[kStages];
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 232448, "shared memory over the 227 KB per-block limit");
+};
+
+}  // namespace jax_fa3::fwd

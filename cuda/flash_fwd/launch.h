@@ -1,0 +1,93 @@
+// Host side of one instantiation: TMA descriptors, scalars, grid, shared-memory attribute, launch.
+// Included only by cuda/instantiations/flash_fwd_hdim<D>_<dtype>.cu.
+#pragma once
+#include "flash_fwd/cute_config.h"
+#include <cmath>
+#include <cuda_runtime.h>
+#include <cute/tensor.hpp>
+
+#include "common/cuda_check.h"
+#include "flash_fwd/flash_fwd.h"
+#include "flash_fwd/kernel.h"
+#include "flash_fwd/kernel_traits.h"
+
+namespace jax_fa3::fwd {
+
+template <DType kDType> struct ElementOf;
+template <> struct ElementOf<DType::kBFloat16> { using type = cutlass::bfloat16_t; };
+template <> struct ElementOf<DType::kFloat16> { using type = cutlass::half_t; };
+
+inline FlashFwdScalars make_scalars(const FlashFwdParams& p) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  FlashFwdScalars s;
+  s.b = p.b;
+  s.s_q = p.s_q;
+  s.s_k = p.s_k;
+  s.h = p.h;
+  s.h_k = p.h_k;
+  s.d = p.d;
+  s.softcap = p.softcap > 0.f ? p.softcap : 0.f;
+  s.softcap_pre = p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f;
+  // With softcap the scale is applied inside tanh; the capped score is in natural units.
+  s.scale_log2 = p.softcap > 0.f ? kLog2e : p.softmax_scale * kLog2e;
+  s.window_left = p.window_left;
+  s.window_right = p.window_right;
+  s.lse = p.lse;
+  return s;
+}
+
+template <int kHeadDim, DType kDType>
+cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
+  using Element = typename ElementOf<kDType>::type;
+  using Traits = KernelTraits<kHeadDim, Element>;
+  using Params = KernelParams<Traits>;
+  if (p.b == 0 || p.s_q == 0 || p.h == 0) return cudaSuccess;
+  if (p.d > kHeadDim || p.d % 8 != 0) return cudaErrorInvalidValue;
+
+  // TMA needs non-empty extents; with s_k == 0 no K/V block is ever loaded (every row is empty:
+  // O = 0, LSE = +inf), so K/V descriptors over Q's memory with one row are never dereferenced.
+  const bool no_keys = p.s_k == 0;
+  const auto* q = static_cast<const Element*>(p.q);
+  const auto* k = no_keys ? q : static_cast<const Element*>(p.k);
+  const auto* v = no_keys ? q : static_cast<const Element*>(p.v);
+  const int s_k_desc = no_keys ? 1 : p.s_k;
+  const int h_k_desc = no_keys ? 1 : p.h_k;
+
+  Params params{
+      make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(q, p.s_q, p.d, p.h, p.b),
+                    typename Traits::SmemLayoutQ{}, typename Params::TileQ{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(k, s_k_desc, p.d, h_k_desc, p.b),
+                    take<0, 2>(typename Traits::SmemLayoutK{}), typename Params::TileKV{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(v, s_k_desc, p.d, h_k_desc, p.b),
+                    take<0, 2>(typename Traits::SmemLayoutV{}), typename Params::TileKV{}, _1{}),
+      make_tma_copy(SM90_TMA_STORE{},
+                    make_gmem_tensor(static_cast<Element*>(p.o), p.s_q, p.d, p.h, p.b),
+                    typename Traits::SmemLayoutO{}, typename Params::TileQ{}, _1{}),
+      make_scalars(p),
+      TileScheduler(p.s_q, Traits::kBlockM, p.h, p.b,
+                    p.window_left >= 0 || p.window_right >= 0)};
+
+  int device = 0;
+  int num_sms = 0;
+  JAX_FA3_RETURN_IF_CUDA_ERROR(cudaGetDevice(&device));
+  JAX_FA3_RETURN_IF_CUDA_ERROR(
+      cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  const int grid = std::min(num_sms, params.scheduler.num_tiles);
+
+  auto* kernel = &flash_fwd_kernel<Traits>;
+  JAX_FA3_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
+  kernel<<<grid, Traits::kNumThreads, Traits::kSmemBytes, stream>>>(params);
+  JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+  return cudaSuccess;
+}
+
+}  // namespace jax_fa3::fwd
+
+namespace jax_fa3 {
+// Defined here, explicitly instantiated once per cuda/instantiations/flash_fwd_hdim<D>_<dtype>.cu.
+template <int kHeadDim, DType kDType>
+cudaError_t run_flash_fwd(const FlashFwdParams& params, cudaStream_t stream) {
+  return fwd::launch<kHeadDim, kDType>(params, stream);
+}
+}  // namespace jax_fa3

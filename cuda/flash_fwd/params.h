@@ -1,0 +1,41 @@
+// What the forward kernel needs to know about one call: plain data, no CUDA, no XLA, no CuTe.
+// Built by the FFI handler, consumed by launch.h (host) and, copied into the kernel parameters,
+// by the device code.
+#pragma once
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace jax_fa3 {
+
+struct FlashFwdParams {
+  // q (b, s_q, h, d), k/v (b, s_k, h_k, d), o like q: contiguous row-major, so the row stride is
+  // h*d (resp. h_k*d) elements and the head stride d. lse (b, h, s_q) float32.
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;
+  int b, s_q, s_k, h, h_k;
+  int d;          // the real head dim (multiple of 8, <= 256); the kernel runs in bucket >= d
+  DType dtype;    // bf16 or fp16
+
+  float softmax_scale;  // natural-units scale applied to q·k
+  float softcap;        // 0 = off; else s = softcap * tanh(softmax_scale * q·k / softcap)
+  int window_left;      // -1 = unbounded
+  int window_right;     // -1 = unbounded; causal arrives as 0
+};
+
+// The device-side view of the scalars: the scale already folded into the log2 domain.
+struct FlashFwdScalars {
+  int b, s_q, s_k, h, h_k, d;
+  // Without softcap: p = exp2(qk * scale_log2 - max * scale_log2).
+  // With softcap: s = softcap * tanh(qk * softcap_pre) first, then scale_log2 = log2(e).
+  float scale_log2;
+  float softcap_pre;   // softmax_scale / softcap (only read when use_softcap)
+  float softcap;       // 0 = off
+  int window_left, window_right;
+  float* lse;
+};
+
+}  // namespace jax_fa3

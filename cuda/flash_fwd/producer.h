@@ -1,0 +1,100 @@
+// The producer warpgroup: one thread issues every TMA load of the CTA.
+//
+// Barrier protocol (all mbarriers in SharedStorage, initialised in kernel.h):
+//   q_full      count 1 + tx   producer arrive_expect_tx(Q bytes); TMA completes the bytes
+//   q_empty     count 1        consumer thread 0 after the tile's O left shared memory (O is
+//                              staged in Q's buffer, so the next Q must wait for the TMA store)
+//   k_full[s]   count 1 + tx   as q_full, per stage
+//   k_empty[s]  count 8        one arrive per consumer warp once its S = QK^T wgmma finished
+//   v_full[s], v_empty[s]      the same for V after the O += PV wgmma
+// Parity: waiters of "full" wait for parity `phase` (starting 0); the producer waits on "empty"
+// for parity `phase ^ 1`, which a fresh barrier reports as already completed (the buffers start
+// empty). Stage/phase advance identically on both sides because both walk the same tiles and
+// the same block ranges.
+#pragma once
+#include "flash_fwd/cute_config.h"
+#include <cute/tensor.hpp>
+
+#include "flash_fwd/barriers.h"
+#include "flash_fwd/block_info.h"
+#include "flash_fwd/kernel_params.h"
+
+namespace jax_fa3::fwd {
+
+using namespace cute;
+
+template <class Traits>
+__device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
+                                             typename Traits::SharedStorage& ss) {
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const FlashFwdScalars& sc = p.s;
+
+  Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});
+  // Coordinate tensors of the TMA descriptors (no pointers: TMA addresses by coordinates).
+  Tensor mQ = p.tma_q.get_tma_tensor(GmemShape(sc.s_q, sc.d, sc.h, sc.b));
+  Tensor mK = p.tma_k.get_tma_tensor(GmemShape(sc.s_k, sc.d, sc.h_k, sc.b));
+  Tensor mV = p.tma_v.get_tma_tensor(GmemShape(sc.s_k, sc.d, sc.h_k, sc.b));
+  const int group = sc.h / sc.h_k;  // GQA: query heads per kv head
+
+  PipelineState<Traits::kStages> kv;
+  uint32_t q_phase = 0;
+  for (int tile = blockIdx.x; tile < p.scheduler.num_tiles; tile += gridDim.x) {
+    const TileCoord c = p.scheduler.coord(tile);
+    const BlockRange range = block_range(c.m_block, kBlockM, kBlockN, sc.s_q, sc.s_k,
+                                         sc.window_left, sc.window_right);
+    const int kv_head = c.head / group;
+    Tensor gQ = local_tile(mQ(_, _, c.head, c.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                           make_coord(c.m_block, _0{}));                       // (M, D)
+    Tensor gK = local_tile(mK(_, _, kv_head, c.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                           make_coord(_, _0{}));                               // (N, D, n)
+    Tensor gV = local_tile(mV(_, _, kv_head, c.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                           make_coord(_, _0{}));
+    // (TMA, n) source and (TMA, stage) destination views; std::get, not structured bindings,
+    // because the lambdas below capture them (C++17).
+    auto q_part = tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                group_modes<0, 2>(gQ));
+    auto k_part = tma_partition(p.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                group_modes<0, 2>(gK));
+    auto v_part = tma_partition(p.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                group_modes<0, 2>(gV));
+    auto tKgK = get<0>(k_part);
+    auto tKsK = get<1>(k_part);
+    auto tVgV = get<0>(v_part);
+    auto tVsV = get<1>(v_part);
+
+    auto load_k = [&](int n_block) {
+      mbar_wait(&ss.k_empty[kv.stage], kv.phase ^ 1);
+      mbar_arrive_expect_tx(&ss.k_full[kv.stage], Traits::kTmaBytesKV);
+      copy(p.tma_k.with(ss.k_full[kv.stage]), tKgK(_, n_block), tKsK(_, kv.stage));
+    };
+    auto load_v = [&](int n_block) {
+      mbar_wait(&ss.v_empty[kv.stage], kv.phase ^ 1);
+      mbar_arrive_expect_tx(&ss.v_full[kv.stage], Traits::kTmaBytesKV);
+      copy(p.tma_v.with(ss.v_full[kv.stage]), tVgV(_, n_block), tVsV(_, kv.stage));
+    };
+
+    // The first K block does not depend on the previous tile's epilogue: issue it before
+    // waiting for Q's buffer, so it overlaps the consumers' epilogue.
+    int n_block = range.n_max - 1;
+    if (n_block >= range.n_min) load_k(n_block);
+    mbar_wait(&ss.q_empty, q_phase ^ 1);
+    mbar_arrive_expect_tx(&ss.q_full, Traits::kTmaBytesQ);
+    copy(p.tma_q.with(ss.q_full), get<0>(q_part), get<1>(q_part));
+    q_phase ^= 1;
+    if (n_block >= range.n_min) {
+      load_v(n_block);
+      kv.advance();
+      for (--n_block; n_block >= range.n_min; --n_block) {
+        load_k(n_block);
+        load_v(n_block);
+        kv.advance();
+      }
+    }
+  }
+}
+
+}  // namespace jax_fa3::fwd

@@ -1,0 +1,35 @@
+// Issuing one warpgroup GEMM (a batch of wgmma over the K extent) with CuTe's SM90 atoms.
+#pragma once
+#include "flash_fwd/cute_config.h"
+#include <cute/tensor.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+namespace jax_fa3::fwd {
+
+using namespace cute;
+
+// C (+)= A * B for this thread's warpgroup. kZeroInit: the first k-step overwrites C.
+// kWait >= 0: wait until at most kWait wgmma batches of this warpgroup are in flight on return;
+// kWait < 0: return right after the commit (the caller waits later, e.g. to overlap softmax).
+// The operand fences stop the compiler from moving register reads/writes of A (RS form) and C
+// across the asynchronous wgmma.
+// kARegisters: A is a register fragment (RS form) rather than shared-memory descriptors.
+template <bool kZeroInit, int kWait, bool kARegisters = false, class TiledMma, class TA, class TB,
+          class TC>
+__device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA const& a, TB const& b, TC& c) {
+  if constexpr (kARegisters) warpgroup_fence_operand(const_cast<TA&>(a));
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
+  warpgroup_fence_operand(c);
+  if constexpr (kARegisters) warpgroup_fence_operand(const_cast<TA&>(a));
+}
+
+}  // namespace jax_fa3::fwd
