@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_fa3 import _ffi, _ops, reference
+from jax_fa3 import _ffi, _ops
 from jax_fa3._batching import fold_vmap_into_batch
 from jax_fa3._config import AttentionConfig
 from jax_fa3._validation import (attention_config, check_array, check_attention_dtypes,
@@ -200,63 +200,80 @@ def dequantize_fp8(values, scales, *, block_size=DEFAULT_BLOCK_SIZE, dtype=jnp.f
 # The fp8 forward: kernel or emulation
 # ---------------------------------------------------------------------------------------------
 
+def _visible(s_q, s_k, window_left, window_right, key_start, block_k):
+  """(s_q, block_k) bool: query i may see key key_start + j (docs/CONTRACTS.md; padded keys never)."""
+  query = jnp.arange(s_q)[:, None]
+  key = key_start + jnp.arange(block_k)[None, :]
+  diagonal = query + (s_k - s_q)  # bottom-right alignment
+  visible = key < s_k
+  if window_left >= 0:
+    visible &= key >= diagonal - window_left
+  if window_right >= 0:
+    visible &= key <= diagonal + window_right
+  return visible
+
+
+def _key_tiles(x, block_k):
+  """(b, s_k, h_k, e) -> (n_tiles, b, block_k, h_k, e), zero-padded."""
+  b, s, h_k, e = x.shape
+  n = -(-s // block_k)
+  x = jnp.pad(x, ((0, 0), (0, n * block_k - s), (0, 0), (0, 0)))
+  return jnp.moveaxis(x.reshape(b, n, block_k, h_k, e), 1, 0)
+
+
 def _emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
-  """Pure-JAX emulation of the kernel's numerics (see the module docstring). -> (out bf16, lse)."""
+  """Pure-JAX emulation of the kernel's numerics (see the module docstring). -> (out bf16, lse).
+
+  All query rows at once (rows are independent, so query blocking cannot change the numerics;
+  memory is O(s_q · (d + tile_k)) per head), an online softmax over key tiles of cfg.tile_k.
+  """
   b, s_q, h, d = q8.shape
   s_k, h_k = k8.shape[1], k8.shape[2]
+  g = h // h_k  # query head i uses kv head i // g
   att = cfg.attention
-  block_q = max(1, min(256, s_q))  # query blocking does not change the numerics (rows independent)
   block_k = max(1, min(cfg.tile_k, s_k))  # a shorter sequence: one tile, same numerics
-  problem = reference._Problem(s_q, s_k, block_q, block_k, att.softmax_scale, att.window_left,
-                               att.window_right, 0.0, jnp.float32)
   f32 = jnp.float32
-  row_descale = (_per_token(q_scale, cfg.block_size, s_q) *
-                 f32(att.softmax_scale * _LOG2E))  # (b, s_q, h, 1), log2 domain
-  q_blocks = reference._block_queries(q8.astype(f32), block_q, h_k)  # (nq, b, bq, h_k, g, d)
-  row_blocks = reference._block_queries(row_descale, block_q, h_k)[..., 0]  # (nq, b, bq, h_k, g)
-  k_blocks = reference._block_keys(k8.astype(f32), block_k)  # (nk, b, bk, h_k, d)
-  col_blocks = reference._block_keys(_per_token(k_scale, cfg.block_size, s_k), block_k)[..., 0]
-  v_blocks = reference._block_keys(v8.astype(f32), block_k)
+  # Row descale in the log2 domain: softmax_scale · log2(e) · q_scale of the row's block.
+  row = _per_token(q_scale, cfg.block_size, s_q) * f32(att.softmax_scale * _LOG2E)
+  row = row[..., 0].reshape(b, s_q, h_k, g)
+  row = jnp.einsum("bqhg->bhgq", row)[..., None]  # (b, h_k, g, s_q, 1)
+  q = q8.astype(f32).reshape(b, s_q, h_k, g, d)
+  k_tiles = _key_tiles(k8.astype(f32), block_k)  # (n, b, bk, h_k, d)
+  col_tiles = _key_tiles(_per_token(k_scale, cfg.block_size, s_k), block_k)[..., 0]
+  v_tiles = _key_tiles(v8.astype(f32), block_k)
   p_offset = f32(2.0 ** P_OFFSET_LOG2)
 
-  def per_query_block(args):
-    q_block, row_block, q_index = args
-    row = jnp.einsum("bqhg->bhgq", row_block)[..., None]  # (b, h_k, g, bq, 1)
-    _, block_rows, _, group, _ = q_block.shape
+  def step(carry, inputs):
+    row_max, row_sum, acc = carry  # (b, h_k, g, s_q) x2, (b, h_k, g, s_q, d)
+    k_tile, col_tile, v_tile, tile_index = inputs
+    raw = jnp.einsum("bqhgd,bkhd->bhgqk", q, k_tile, precision=_HIGHEST)  # exact products
+    col = jnp.einsum("bkh->bhk", col_tile)[:, :, None, None, :]  # (b, h_k, 1, 1, bk)
+    scores = raw * row * col  # descaled, log2 domain
+    visible = _visible(s_q, s_k, att.window_left, att.window_right, tile_index * block_k,
+                       block_k)
+    scores = jnp.where(visible, scores, -jnp.inf)
+    new_max = jnp.maximum(row_max, scores.max(axis=-1))
+    # A row that has seen nothing yet has max -inf: shift by 0 so exp2(-inf - shift) = 0.
+    shift = jnp.where(jnp.isneginf(new_max), 0.0, new_max)
+    rescale = jnp.exp2(row_max - shift)
+    probs = jnp.exp2(scores - shift[..., None])
+    row_sum = row_sum * rescale + probs.sum(axis=-1)  # from the unquantized P, as FA3
+    probs8 = _to_e4m3(probs * p_offset).astype(f32)  # e4m3(2^8 · P), P <= 1
+    acc = acc * rescale[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", probs8, v_tile,
+                                               precision=_HIGHEST)
+    return (new_max, row_sum, acc), None
 
-    def step(carry, inputs):
-      row_max, row_sum, acc = carry
-      k_block, col_block, v_block, k_index = inputs
-      raw = jnp.einsum("bqhgd,bkhd->bhgqk", q_block, k_block, precision=_HIGHEST)
-      col = jnp.einsum("bkh->bhk", col_block)[:, :, None, None, :]  # (b, h_k, 1, 1, bk)
-      scores = raw * row * col  # log2-domain scores
-      scores = jnp.where(problem.visible(q_index, k_index), scores, -jnp.inf)
-      new_max = jnp.maximum(row_max, scores.max(axis=-1))
-      shift = jnp.where(jnp.isneginf(new_max), 0.0, new_max)
-      rescale = jnp.exp2(row_max - shift)
-      probs = jnp.exp2(scores - shift[..., None])
-      row_sum = row_sum * rescale + probs.sum(axis=-1)
-      probs8 = _to_e4m3(probs * p_offset).astype(f32)
-      acc = acc * rescale[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", probs8, v_block,
-                                                 precision=_HIGHEST)
-      return (new_max, row_sum, acc), None
-
-    stats = (b, h_k, group, block_rows)
-    init = (jnp.full(stats, -jnp.inf, f32), jnp.zeros(stats, f32), jnp.zeros(stats + (d,), f32))
-    (row_max, row_sum, acc), _ = lax.scan(
-        step, init, (k_blocks, col_blocks, v_blocks, jnp.arange(k_blocks.shape[0])))
-    empty = row_sum == 0
-    safe_sum = jnp.where(empty, 1.0, row_sum)
-    v_descale = v_scale[:, :, None, None] / p_offset  # (b, h_k, 1, 1)
-    out = jnp.where(empty[..., None], 0.0, acc * (v_descale / safe_sum)[..., None])
-    lse = jnp.where(empty, jnp.inf, (row_max + jnp.log2(safe_sum)) * f32(math.log(2.0)))
-    return jnp.einsum("bhgqd->bqhgd", out), lse
-
-  out_blocks, lse_blocks = lax.map(per_query_block,
-                                   (q_blocks, row_blocks, jnp.arange(q_blocks.shape[0])))
-  out = reference._unblock_queries(out_blocks, s_q).astype(jnp.bfloat16)
-  lse = reference._unblock_row_stats(lse_blocks, s_q)
-  return out, lse
+  stats = (b, h_k, g, s_q)
+  init = (jnp.full(stats, -jnp.inf, f32), jnp.zeros(stats, f32), jnp.zeros(stats + (d,), f32))
+  (row_max, row_sum, acc), _ = lax.scan(
+      step, init, (k_tiles, col_tiles, v_tiles, jnp.arange(k_tiles.shape[0])))
+  empty = row_sum == 0  # no visible key: output 0, lse +inf
+  safe_sum = jnp.where(empty, 1.0, row_sum)
+  v_descale = v_scale[:, :, None, None] / p_offset  # (b, h_k, 1, 1)
+  out = jnp.where(empty[..., None], 0.0, acc * (v_descale / safe_sum)[..., None])
+  lse = jnp.where(empty, jnp.inf, (row_max + jnp.log2(safe_sum)) * f32(math.log(2.0)))
+  out = jnp.einsum("bhgqd->bqhgd", out).reshape(b, s_q, h, d).astype(jnp.bfloat16)
+  return out, lse.reshape(b, h, s_q)
 
 
 def _kernel_forward(cfg: Fp8Config):
