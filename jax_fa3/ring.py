@@ -44,15 +44,23 @@ def zigzag_indices(seqlen: int, num_shards: int) -> np.ndarray:
   return chunks[order].reshape(-1)
 
 
+def _take(x, indices, axis):
+  index = (slice(None),) * axis + (jnp.asarray(indices),)
+  sharding = getattr(getattr(jax, "typeof", lambda _: None)(x), "sharding", None)
+  if sharding is not None and any(s is not None for s in getattr(sharding, "spec", ())):
+    # Sharding in types (Explicit mesh): the result keeps x's sharding (XLA moves the tokens).
+    return x.at[index].get(out_sharding=sharding)
+  return x[index]
+
+
 def zigzag_permute(x, num_shards: int, axis: int = 1):
   """Natural -> zig-zag token order along `axis` (seqlen axis of (b, s, h, d) by default)."""
-  return jnp.take(x, jnp.asarray(zigzag_indices(x.shape[axis], num_shards)), axis=axis)
+  return _take(x, zigzag_indices(x.shape[axis], num_shards), axis)
 
 
 def zigzag_unpermute(x, num_shards: int, axis: int = 1):
   """Zig-zag -> natural token order along `axis`; the inverse of `zigzag_permute`."""
-  inverse = np.argsort(zigzag_indices(x.shape[axis], num_shards))
-  return jnp.take(x, jnp.asarray(inverse), axis=axis)
+  return _take(x, np.argsort(zigzag_indices(x.shape[axis], num_shards)), axis)
 
 
 # ---------------------------------------------------------------------------------------------

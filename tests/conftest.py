@@ -1,7 +1,13 @@
 """Shared pytest setup: float64 on, GPU tests skipped (with the reason) without a Hopper GPU."""
 import os
 
-import jax
+# 8 CPU devices for the multi-device tests (tests/test_sharding.py, tests/test_ring.py); must be
+# set before JAX creates its CPU client. Single-device tests are unaffected (they use device 0).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
 import pytest
 
 jax.config.update("jax_enable_x64", True)

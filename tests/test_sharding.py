@@ -1,0 +1,186 @@
+"""Partitioning rules of the attention ops under plain jit, shard_map, pmap and vmap (8 CPU devices).
+
+tests/conftest.py sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts. The
+meshes are built from CPU devices, so on a GPU machine these tests still run the reference path.
+"""
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import jax_fa3
+from jax_fa3 import sharding
+from jax_fa3._config import AttentionConfig
+
+CPUS = jax.devices("cpu")
+pytestmark = pytest.mark.skipif(len(CPUS) < 8, reason="needs 8 CPU devices (XLA_FLAGS="
+                                "--xla_force_host_platform_device_count=8 before JAX starts)")
+AXIS_TYPE = getattr(jax.sharding, "AxisType", None)
+MESH_KINDS = ["auto", "explicit"]
+COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
+
+
+def make_mesh(shape, names, kind):
+  if AXIS_TYPE is None:
+    if kind == "explicit":
+      pytest.skip("this JAX has no Explicit mesh axes")
+    return jax.make_mesh(shape, names, devices=CPUS[:math.prod(shape)])
+  if kind == "explicit" and not hasattr(jax, "typeof"):
+    pytest.skip("this JAX has no sharding in types")
+  axis_type = AXIS_TYPE.Explicit if kind == "explicit" else AXIS_TYPE.Auto
+  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names),
+                       devices=CPUS[:math.prod(shape)])
+
+
+def qkv(b=4, s=64, h=4, h_k=2, d=16, seed=0):
+  rng = np.random.default_rng(seed)
+  make = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+  return make(b, s, h, d), make(b, s, h_k, d), make(b, s, h_k, d), make(b, s, h, d)
+
+
+def fwd_bwd(q, k, v, ct, **kw):
+  """(out, dq, dk, dv) for cotangent ct: no scalar loss, so no reduction of our own in the HLO."""
+  out, vjp = jax.vjp(lambda q, k, v: jax_fa3.flash_attention(q, k, v, **kw), q, k, v)
+  return (out,) + vjp(ct)
+
+
+def on_one_device(fn, *args):
+  return jax.device_get(jax.jit(fn)(*jax.device_put(args, CPUS[0])))
+
+
+def assert_close(got, want, tol=2e-5):
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=tol)
+
+
+def collectives(hlo):
+  return {c: hlo.count(c + "(") + hlo.count(c + "-start(") for c in COLLECTIVES}
+
+
+def run_sharded(fn, mesh, specs, *args):
+  args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+  compiled = jax.jit(fn).lower(*args).compile()
+  return compiled(*args), compiled.as_text()
+
+
+@pytest.mark.parametrize("kind", MESH_KINDS)
+def test_batch_and_head_sharding_run_locally(kind):
+  mesh = make_mesh((2, 2, 2), ("data", "model", "other"), kind)
+  args = qkv()
+  fn = functools.partial(fwd_bwd, causal=True, softcap=5.0)
+  spec = P("data", None, "model", None)
+  got, hlo = run_sharded(fn, mesh, [spec] * 4, *args)
+  assert_close(got, on_one_device(fn, *args))
+  assert all(n == 0 for n in collectives(hlo).values()), collectives(hlo)
+  for x in got:
+    assert tuple(x.sharding.spec)[:3] == ("data", None, "model")
+
+
+@pytest.mark.parametrize("kind,causal", [("auto", False), ("auto", True), ("explicit", True)])
+def test_sequence_sharding_under_jit_runs_a_ring(kind, causal):
+  mesh = make_mesh((2, 4), ("data", "seq"), kind)
+  args = qkv()
+  fn = functools.partial(fwd_bwd, causal=causal)
+  got, hlo = run_sharded(fn, mesh, [P("data", "seq")] * 4, *args)
+  assert_close(got, on_one_device(fn, *args))
+  counts = collectives(hlo)
+  assert counts["collective-permute"] > 0, counts
+  assert counts["all-gather"] == 0 and counts["all-to-all"] == 0, counts
+  assert tuple(got[0].sharding.spec)[:2] == ("data", "seq")
+
+
+def test_sliding_window_with_sequence_sharding_gathers_and_is_correct():
+  mesh = make_mesh((2, 4), ("data", "seq"), "auto")
+  args = qkv()
+  fn = functools.partial(fwd_bwd, window_size=(9, 3))
+  got, _ = run_sharded(fn, mesh, [P("data", "seq")] * 4, *args)
+  assert_close(got, on_one_device(fn, *args))
+
+
+@pytest.mark.parametrize("kind", MESH_KINDS)
+def test_head_dim_sharding_is_replicated(kind):
+  mesh = make_mesh((2, 4), ("data", "model"), kind)
+  q, k, v, _ = qkv()
+  fn = functools.partial(jax_fa3.flash_attention, causal=True)
+  (out,), _ = run_sharded(lambda *a: (fn(*a),), mesh, [P("data", None, None, "model")] * 3, q, k, v)
+  assert_close([out], [on_one_device(fn, q, k, v)])
+
+
+def test_mqa_head_sharding_keeps_queries_split():
+  mesh = make_mesh((2, 4), ("data", "model"), "auto")
+  q, k, v, ct = qkv(h=4, h_k=1)
+  fn = functools.partial(fwd_bwd, causal=True)
+  got, hlo = run_sharded(fn, mesh, [P("data", None, "model"), P("data"), P("data"),
+                                    P("data", None, "model")], q, k, v, ct)
+  assert_close(got, on_one_device(fn, q, k, v, ct))
+  counts = collectives(hlo)
+  assert counts["all-gather"] == 0 and counts["all-to-all"] == 0, counts  # dk/dv: all-reduce
+
+
+def test_shard_map_over_flash_attention():
+  mesh = make_mesh((4, 2), ("data", "model"), "auto")
+  args = qkv()
+  fn = functools.partial(fwd_bwd, causal=True)
+  spec = P("data", None, "model")
+  mapped = sharding.shard_map(fn, mesh, (spec,) * 4, (spec,) * 4)
+  got, hlo = run_sharded(mapped, mesh, [spec] * 4, *args)
+  assert_close(got, on_one_device(fn, *args))
+  assert all(n == 0 for n in collectives(hlo).values()), collectives(hlo)
+
+
+def test_pmap_over_flash_attention():
+  q, k, v, ct = qkv()
+  fn = functools.partial(fwd_bwd, causal=True)
+  split = lambda x: x.reshape((4, 1) + x.shape[1:])
+  got = jax.pmap(fn, devices=CPUS[:4])(*map(split, (q, k, v, ct)))
+  want = on_one_device(fn, q, k, v, ct)
+  assert_close([g.reshape(w.shape) for g, w in zip(got, want)], want)
+
+
+def test_vmap_composes_with_the_partitioning_rules():
+  mesh = make_mesh((2, 4), ("data", "model"), "auto")
+  q, k, v, _ = qkv(h=8, h_k=4)
+  stack = lambda x: jnp.stack([x, 2 * x])
+  fn = jax.vmap(functools.partial(jax_fa3.flash_attention, causal=True))
+  spec = P("data", None, None, "model")  # vmapped axis and heads sharded
+  (out,), hlo = run_sharded(lambda *a: (fn(*a),), mesh, [spec] * 3, *map(stack, (q, k, v)))
+  assert_close([out], [on_one_device(fn, *map(stack, (q, k, v)))])
+  assert all(n == 0 for n in collectives(hlo).values()), collectives(hlo)
+
+
+@pytest.mark.skipif(not hasattr(jax.config, "jax_use_shardy_partitioner"),
+                    reason="no Shardy switch in this JAX")
+def test_gspmd_partitioner_callbacks():
+  mesh = make_mesh((2, 4), ("data", "model"), "auto")
+  args = qkv(h=8, h_k=4)
+  fn = functools.partial(fwd_bwd, causal=True)
+  before = jax.config.jax_use_shardy_partitioner
+  jax.config.update("jax_use_shardy_partitioner", False)
+  try:
+    got, hlo = run_sharded(fn, mesh, [P("data", None, "model")] * 4, *args)
+  finally:
+    jax.config.update("jax_use_shardy_partitioner", before)
+  assert_close(got, on_one_device(fn, *args))
+  assert all(n == 0 for n in collectives(hlo).values()), collectives(hlo)
+
+
+def test_plan_per_axis():
+  sizes = {"b": 2, "h": 4, "s": 2, "d": 2}
+  cfg = AttentionConfig(softmax_scale=0.25, window_right=0)
+  q, kv = (4, 64, 8, 16), (4, 64, 4, 16)
+  plan = lambda qs, ks, c=cfg, kvs=kv: sharding.plan_partition(
+      sharding.FORWARD, [q, kvs, kvs], [qs, ks, ks], sizes, c)
+  assert plan((("b",), (), ("h",), ()), (("b",), (), ("h",), ())) == sharding.Plan(
+      batch=("b",), heads=("h",), kv_heads=("h",))
+  assert plan(((), ("s",), (), ("d",)), ((), ("s",), (), ())) == sharding.Plan(
+      seq_q=("s",), seq_k=("s",), ring_axes=("s",))
+  windowed = AttentionConfig(softmax_scale=0.25, window_left=4)
+  assert plan(((), ("s",), (), ()), ((), ("s",), (), ()), windowed) == sharding.Plan()
+  full = AttentionConfig(softmax_scale=0.25)
+  assert plan(((), ("s",), (), ()), ((), (), (), ()), full) == sharding.Plan(seq_q=("s",))
+  gqa = (4, 64, 2, 16)  # 4 head shards do not divide 2 kv heads: heads replicated
+  assert plan(((), (), ("h",), ()), ((), (), (), ()), cfg, gqa) == sharding.Plan()
