@@ -14,6 +14,10 @@ from jax_fa3._validation import check_bool, check_softcap, check_window
 from jax_fa3.flax.attention_fn import dot_product_attention
 from jax_fa3.flax.rotation import random_rotation_signs
 
+_NO_DECODE = ("jax_fa3.flax.MultiHeadAttention does not support decode=True (a KV cache needs a "
+              "per-step mask); use flax.nnx.MultiHeadAttention for cached decoding — the "
+              "parameter tree is the same")
+
 
 class Fp8RotationSigns(nnx.Variable):
   """The ±1 signs of an FP8 layer's Hadamard rotation: saved with the model, never trained."""
@@ -44,6 +48,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
           "jax_fa3.flax.MultiHeadAttention always runs jax_fa3 attention; for another "
           "attention_fn use flax.nnx.MultiHeadAttention(attention_fn=...), whose parameter tree "
           "is the same")
+    if kwargs.setdefault("decode", False):  # Flax's None would demand decode= at every call
+      raise NotImplementedError(_NO_DECODE)
     # Static options, read by the attention_fn property at call time.
     self.causal = check_bool("causal", causal)
     self.window_size = check_window(window_size)
@@ -72,7 +78,4 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     del value
 
   def init_cache(self, input_shape, dtype=None):
-    raise NotImplementedError(
-        "jax_fa3.flax.MultiHeadAttention does not support decode=True (a KV cache needs a "
-        "per-step mask); use flax.nnx.MultiHeadAttention for cached decoding — the parameter "
-        "tree is the same")
+    raise NotImplementedError(_NO_DECODE)
