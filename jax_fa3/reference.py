@@ -47,9 +47,11 @@ def _num_blocks(seqlen, block):
 
 
 # ---------------------------------------------------------------------------------------------
-# Layout helpers. Blocked layouts put the block index first so that scan/map can iterate over it:
-#   query-like (b, s_q, h, d)   -> (n_q_blocks, b, block_q, h_k, group, d)
-#   key-like   (b, s_k, h_k, d) -> (n_k_blocks, b, block_k, h_k, d)
+# Layout helpers. Blocked layouts put the block index first so that scan/map can iterate over it,
+# and heads before positions so that every per-block product is a plain batched matmul over
+# (b, h_k) with no transposes inside the loops:
+#   query-like (b, s_q, h, d)   -> (n_q_blocks, b, h_k, group, block_q, d)
+#   key-like   (b, s_k, h_k, d) -> (n_k_blocks, b, h_k, block_k, d)
 #   row stats  (b, h, s_q)      -> (n_q_blocks, b, h_k, group, block_q)
 # where group = h // h_k is the number of query heads sharing a kv head (query head i = kv head
 # i // group, so splitting h as (h_k, group) is exactly the GQA assignment).
@@ -66,12 +68,12 @@ def _block_queries(x, block, num_kv_heads):
     n = _num_blocks(s, block)
     x = _pad_axis(x, 1, n * block)
     x = x.reshape(b, n, block, num_kv_heads, h // num_kv_heads, d)
-    return jnp.moveaxis(x, 1, 0)
+    return jnp.transpose(x, (1, 0, 3, 4, 2, 5))
 
 
 def _unblock_queries(x, seqlen):
-    n, b, block, h_k, group, d = x.shape
-    x = jnp.moveaxis(x, 0, 1).reshape(b, n * block, h_k * group, d)
+    n, b, h_k, group, block, d = x.shape
+    x = jnp.transpose(x, (1, 0, 4, 2, 3, 5)).reshape(b, n * block, h_k * group, d)
     return x[:, :seqlen]
 
 
@@ -79,12 +81,12 @@ def _block_keys(x, block):
     b, s, h_k, d = x.shape
     n = _num_blocks(s, block)
     x = _pad_axis(x, 1, n * block).reshape(b, n, block, h_k, d)
-    return jnp.moveaxis(x, 1, 0)
+    return jnp.transpose(x, (1, 0, 3, 2, 4))
 
 
 def _unblock_keys(x, seqlen):
-    n, b, block, h_k, d = x.shape
-    return jnp.moveaxis(x, 0, 1).reshape(b, n * block, h_k, d)[:, :seqlen]
+    n, b, h_k, block, d = x.shape
+    return jnp.transpose(x, (1, 0, 3, 2, 4)).reshape(b, n * block, h_k, d)[:, :seqlen]
 
 
 def _block_row_stats(x, block, num_kv_heads, pad_value):
@@ -133,7 +135,7 @@ class _Problem:
         q_block = q_block.astype(self.compute_dtype)
         k_block = k_block.astype(self.compute_dtype)
         raw = self.softmax_scale * jnp.einsum(
-            "bqhgd,bkhd->bhgqk", q_block, k_block, precision=_HIGHEST)
+            "bhgqd,bhkd->bhgqk", q_block, k_block, precision=_HIGHEST)
         if self.softcap > 0:
             tanh = jnp.tanh(raw / self.softcap)
             return self.softcap * tanh, tanh
@@ -151,11 +153,11 @@ class _Problem:
 
 def _forward_query_block(problem, k_blocks, v_blocks, q_block, q_block_index):
     """Online softmax of one query block over all key blocks -> (out block, lse block)."""
-    b, block_q, h_k, group, d = q_block.shape
+    b, h_k, group, block_q, d = q_block.shape
     dtype = problem.compute_dtype
 
     def step(carry, key_block_inputs):
-        row_max, row_sum, acc = carry  # (b, h_k, group, block_q) x2, (b, h_k, group, block_q, d)
+        row_max, row_sum, acc = carry  # (b, h_k, group, block_q) x2 and (..., d)
         k_block, v_block, k_block_index = key_block_inputs
         scores, _ = problem.masked_scores(q_block, k_block, q_block_index, k_block_index)
         new_max = jnp.maximum(row_max, scores.max(axis=-1))
@@ -166,7 +168,7 @@ def _forward_query_block(problem, k_blocks, v_blocks, q_block, q_block_index):
         probs = jnp.exp(scores - shift[..., None])
         row_sum = row_sum * rescale + probs.sum(axis=-1)
         acc = acc * rescale[..., None] + jnp.einsum(
-            "bhgqk,bkhd->bhgqd", probs, v_block.astype(dtype), precision=_HIGHEST)
+            "bhgqk,bhkd->bhgqd", probs, v_block.astype(dtype), precision=_HIGHEST)
         return (new_max, row_sum, acc), None
 
     stats_shape = (b, h_k, group, block_q)
@@ -180,7 +182,7 @@ def _forward_query_block(problem, k_blocks, v_blocks, q_block, q_block_index):
     safe_sum = jnp.where(empty_row, 1.0, row_sum)
     out = jnp.where(empty_row[..., None], 0.0, acc / safe_sum[..., None])
     lse = jnp.where(empty_row, jnp.inf, row_max + jnp.log(safe_sum))
-    return jnp.einsum("bhgqd->bqhgd", out), lse
+    return out, lse
 
 
 def attention_forward(q, k, v, *, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
@@ -229,21 +231,21 @@ def _backward_key_block(problem, query_side, k_block, v_block, k_block_index):
     v_block = v_block.astype(dtype)
 
     def step(carry, query_block_inputs):
-        dk_acc, dv_acc = carry  # (b, block_k, h_k, d) each
+        dk_acc, dv_acc = carry  # (b, h_k, block_k, d) each
         q_block, dout_block, lse_block, delta_block, q_block_index = query_block_inputs
         q_block = q_block.astype(dtype)
         dout_block = dout_block.astype(dtype)
         scores, tanh = problem.masked_scores(q_block, k_block, q_block_index, k_block_index)
         # lse = +inf on empty rows and scores = -inf where masked: both make P exactly 0.
         probs = jnp.exp(scores - lse_block[..., None])
-        dv_acc = dv_acc + jnp.einsum("bhgqk,bqhgd->bkhd", probs, dout_block, precision=_HIGHEST)
-        dprobs = jnp.einsum("bqhgd,bkhd->bhgqk", dout_block, v_block, precision=_HIGHEST)
+        dv_acc = dv_acc + jnp.einsum("bhgqk,bhgqd->bhkd", probs, dout_block, precision=_HIGHEST)
+        dprobs = jnp.einsum("bhgqd,bhkd->bhgqk", dout_block, v_block, precision=_HIGHEST)
         dscores = probs * (dprobs - delta_block[..., None])
         if tanh is not None:
             dscores = dscores * (1.0 - tanh * tanh)  # derivative of softcap * tanh(x / softcap)
         dscores = dscores * problem.softmax_scale
-        dq_block = jnp.einsum("bhgqk,bkhd->bqhgd", dscores, k_block, precision=_HIGHEST)
-        dk_acc = dk_acc + jnp.einsum("bhgqk,bqhgd->bkhd", dscores, q_block, precision=_HIGHEST)
+        dq_block = jnp.einsum("bhgqk,bhkd->bhgqd", dscores, k_block, precision=_HIGHEST)
+        dk_acc = dk_acc + jnp.einsum("bhgqk,bhgqd->bhkd", dscores, q_block, precision=_HIGHEST)
         return (dk_acc, dv_acc), dq_block
 
     zeros = jnp.zeros(k_block.shape, dtype)
