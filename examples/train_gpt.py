@@ -188,7 +188,10 @@ def make_train_step(model: GPT, optimizer, parallel: str, devices):
 def place(tree, parallel: str, devices):
   """Puts parameters / optimizer state where the step of `parallel` expects them."""
   if parallel == "pmap":
-    return jax.device_put_replicated(tree, devices)
+    # One copy per device along a new leading axis (pmap's layout), already spread over the
+    # devices so that the first and later steps see one input layout (no recompilation).
+    stacked = jax.tree.map(lambda x: jnp.broadcast_to(x, (len(devices),) + jnp.shape(x)), tree)
+    return jax.device_put(stacked, NamedSharding(Mesh(np.asarray(devices), ("data",)), P("data")))
   if parallel in ("shard_map", "jit"):
     return jax.device_put(tree, NamedSharding(Mesh(np.asarray(devices), ("data",)), P()))
   return tree
@@ -196,7 +199,8 @@ def place(tree, parallel: str, devices):
 
 def shard_batch(batch: np.ndarray, parallel: str, devices):
   if parallel == "pmap":
-    return batch.reshape((len(devices), -1) + batch.shape[1:])
+    return jax.device_put(batch.reshape((len(devices), -1) + batch.shape[1:]),
+                          NamedSharding(Mesh(np.asarray(devices), ("data",)), P("data")))
   if parallel in ("shard_map", "jit"):
     return jax.device_put(batch, NamedSharding(Mesh(np.asarray(devices), ("data",)), P("data")))
   return batch
