@@ -10,10 +10,10 @@ path emulates: same e4m3 rounding, same blocks, same scales):
    inputs). q·k is unchanged in exact arithmetic; an outlier coordinate is spread over all of them.
    V is not rotated.
 2. Quantization: q and k get one float32 scale per (batch, head, block of `block_size` tokens)
-   (default 64); v gets one scale per (batch, kv-head). A scale is amax(|block|) / 448 (448 being
-   e4m3's largest finite value; 1.0 for an all-zero block, and never below float32's smallest normal)
-   and the values are e4m3(clip(x / scale, -448, 448)): float32 division, round to nearest even,
-   saturating (CUDA's `__NV_SATFINITE`).
+   (default 64); v gets one scale per (batch, kv-head). A scale is amax(|block|) · float32(1/448)
+   (448 being e4m3's largest finite value; 1.0 for an all-zero block, and never below float32's
+   smallest normal) and the values are e4m3(clip(x / scale, -448, 448)): a correctly rounded float32
+   division, round to nearest even, saturating (CUDA's `__NV_SATFINITE`).
 3. Scores: S = (q8 · k8) in float32 (each e4m3×e4m3 product is exact), then descaled per element by
    softmax_scale · q_scale[row block] · k_scale[column block].
 4. Softmax: online over key tiles (`EMULATION_TILE_K` = 128 keys here; the kernel's kBlockN there),
@@ -96,9 +96,13 @@ def _check_block_size(block_size, allow_none: bool) -> int | None:
 
 
 def _scale_from_amax(amax):
-  """float32 scale = amax / 448, 1.0 where amax == 0, at least float32's smallest normal."""
+  """float32 scale = amax · float32(1/448), 1.0 where amax == 0, at least float32's smallest normal.
+
+  A product with the float32-rounded reciprocal, not a division: XLA rewrites a division by a
+  constant into exactly that, so we define it so and the CUDA quantizer does the same.
+  """
   amax = amax.astype(jnp.float32)
-  scale = jnp.maximum(amax / jnp.float32(E4M3_MAX), jnp.float32(_TINY))
+  scale = jnp.maximum(amax * jnp.float32(1.0 / E4M3_MAX), jnp.float32(_TINY))
   return jnp.where(amax > 0, scale, jnp.float32(1.0))
 
 
@@ -126,6 +130,9 @@ def _quantize(x, block_size):
   return values, scales
 
 
+_quantize_jit = jax.jit(_quantize, static_argnums=(1,))
+
+
 def _check_4d_float(name, x, allowed):
   check_array(name, x, rank=4)
   if not any(x.dtype == np.dtype(t) for t in allowed):
@@ -137,7 +144,7 @@ def quantize_fp8(x, *, block_size=DEFAULT_BLOCK_SIZE):
   """Quantizes x to e4m3 with one float32 scale per (batch, head, block of tokens).
 
   For each block of `block_size` consecutive tokens of one (batch, head) — the last block may be
-  shorter — `scale = amax(|block|) / 448` (448 = e4m3's largest finite value; an all-zero block
+  shorter — `scale = amax(|block|) · float32(1/448)` (448 = e4m3's largest finite value; an all-zero block
   gets scale 1.0, and no scale is below float32's smallest normal) and
   `values = e4m3(clip(float32(x) / scale, -448, 448))`, rounding to nearest even. Every element of a
   block is therefore represented with e4m3's relative precision (a step of 2^-3 relative to the
@@ -157,7 +164,7 @@ def quantize_fp8(x, *, block_size=DEFAULT_BLOCK_SIZE):
   """
   _check_4d_float("x", x, FP8_INPUT_DTYPES + (jnp.float64,))
   block_size = _check_block_size(block_size, allow_none=True)
-  return _quantize(x, block_size)
+  return _quantize_jit(x, block_size)
 
 
 def _check_quantized(name, values, scales, block_size, allow_per_head=False):
@@ -299,8 +306,8 @@ def _kernel_unavailable_reason() -> str | None:
   return None
 
 
-def fp8_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
-  """(out bf16, lse f32) from quantized inputs: v_scale (b, h_k). Kernel on Hopper, else emulated."""
+@functools.partial(jax.jit, static_argnums=(6,))
+def _fp8_forward_jit(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
   emulate = functools.partial(_emulated_forward, cfg=cfg)
   reason = _kernel_unavailable_reason()
   if reason is not None:
@@ -312,20 +319,29 @@ def fp8_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
                                 cuda=_kernel_forward(cfg), default=emulate)
 
 
-def _rotate_and_quantize(q, k, v, signs, cfg: Fp8Config):
+def fp8_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
+  """(out bf16, lse f32) from quantized inputs: v_scale (b, h_k). Kernel on Hopper, else emulated."""
+  # Only the attention options, block size and tile shape the computation (one compilation for
+  # rotated and unrotated inputs, with or without a returned lse).
+  cfg = dataclasses.replace(cfg, incoherent=False, return_lse=False)
+  return _fp8_forward_jit(q8, k8, v8, q_scale, k_scale, v_scale, cfg)
+
+
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _rotate_and_quantize(q, k, v, signs, incoherent: bool, block_size: int):
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-  if cfg.incoherent:
+  if incoherent:
     q = hadamard_transform(q, signs=signs)
     k = hadamard_transform(k, signs=signs)
-  q8, q_scale = _quantize(q, cfg.block_size)
-  k8, k_scale = _quantize(k, cfg.block_size)
+  q8, q_scale = _quantize(q, block_size)
+  k8, k_scale = _quantize(k, block_size)
   v8, v_scale = _quantize(v, None)
   return q8, k8, v8, q_scale, k_scale, v_scale[..., 0]
 
 
-@functools.partial(jax.jit, static_argnums=(4,))
 def _fp8_from_float(q, k, v, signs, cfg: Fp8Config):
-  out, lse = fp8_forward(*_rotate_and_quantize(q, k, v, signs, cfg), cfg)
+  quantized = _rotate_and_quantize(q, k, v, signs, cfg.incoherent, cfg.block_size)
+  out, lse = fp8_forward(*quantized, cfg)
   return out.astype(q.dtype), lse
 
 

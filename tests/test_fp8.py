@@ -1,0 +1,320 @@
+"""FP8 attention: quantization, the kernel emulation, accuracy targets (issue 5), gradients, errors.
+
+Runs on the CPU through the pure-JAX emulation of the fp8 kernel.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_fa3
+from jax_fa3 import fp8
+from jax_fa3.fp8 import dequantize_fp8, flash_attention_fp8, quantize_fp8
+from oracle import attention_oracle
+
+
+def _normal(seed, *shapes, dtype=jnp.bfloat16):
+  rng = np.random.default_rng(seed)
+  return [jnp.asarray(rng.standard_normal(s), dtype) for s in shapes]
+
+
+def _rmse(x, ref):
+  return float(np.sqrt(np.mean((np.asarray(x, np.float64) - ref) ** 2)))
+
+
+def _f64(*xs):
+  return [np.asarray(x, np.float64) for x in xs]
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantization
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_quantize_round_trip_within_e4m3_precision(dtype):
+  # e4m3 keeps 3 mantissa bits: a value in [2^e, 2^(e+1)) lies on a grid of step 2^(e-3), so
+  # rounding to nearest moves it by at most 2^(e-4) <= 2^-4 |x| (relative step 2^-3, half of it).
+  # Below e4m3's smallest normal, 2^-6 (in units of the block's scale), the grid is the subnormal
+  # step 2^-9: an absolute error of at most 2^-10 · scale. The float32 division and product add
+  # 2^-24 relative each.
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((2, 150, 3, 32)) * np.exp(rng.uniform(-6, 6, (2, 150, 3, 1)))
+  x[0, :64, 0] = 0.0  # an all-zero block
+  x = jnp.asarray(x, dtype)
+  values, scales = quantize_fp8(x, block_size=64)
+  assert values.dtype == jnp.float8_e4m3fn and values.shape == x.shape
+  assert scales.dtype == jnp.float32 and scales.shape == (2, 3, 3)
+  back = np.asarray(dequantize_fp8(values, scales, block_size=64), np.float64)
+  xf = np.asarray(x, np.float64)
+  scale_per_token = np.repeat(np.asarray(scales, np.float64), 64, axis=-1)[..., :150]
+  scale_per_token = np.swapaxes(scale_per_token, 1, 2)[..., None]
+  bound = 2.0**-4 * np.abs(xf) * (1 + 1e-6) + 2.0**-10 * scale_per_token
+  assert np.all(np.abs(back - xf) <= bound)
+  # The bound is tight: some elements use most of it.
+  assert np.max(np.abs(back - xf) / (np.abs(xf) + 1e-30)) > 2.0**-4 * 0.9
+
+
+def test_quantize_scales_and_rounding_are_exact():
+  x = _normal(1, (2, 100, 4, 16), dtype=jnp.float32)[0]
+  x = x.at[1, 64:, 2].set(0.0)  # the last block of (batch 1, head 2) is all zeros
+  values, scales = quantize_fp8(x, block_size=32)
+  assert scales.shape == (2, 4, 4)
+  xf = np.asarray(x)
+  amax = np.stack([np.abs(xf[:, i:i + 32]).max(axis=(1, 3)) for i in range(0, 100, 32)], -1)
+  expected = np.where(amax > 0, (amax * np.float32(1 / 448)).astype(np.float32), 1.0)
+  np.testing.assert_array_equal(np.asarray(scales), expected)
+  assert np.asarray(scales)[1, 2, 3] == 1.0 and np.asarray(scales)[1, 2, 2] == 1.0
+  # values = RNE e4m3 of the float32 quotient, bit for bit (ml_dtypes as the independent oracle).
+  per_token = np.swapaxes(np.repeat(expected, 32, axis=-1)[..., :100], 1, 2)[..., None]
+  oracle = (xf / per_token.astype(np.float32)).astype(ml_dtypes.float8_e4m3fn)
+  np.testing.assert_array_equal(np.asarray(values).view(np.uint8), oracle.view(np.uint8))
+  # Each block's largest magnitude maps to exactly ±448.
+  assert np.max(np.abs(np.asarray(values, np.float32))) == 448.0
+  # block_size=None: one scale per (batch, head).
+  _, per_head = quantize_fp8(x, block_size=None)
+  np.testing.assert_array_equal(np.asarray(per_head)[..., 0],
+                                np.where(amax.max(-1) > 0, amax.max(-1) * np.float32(1 / 448), 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward numerics
+# ---------------------------------------------------------------------------------------------
+
+def _dense_emulation(q, k, v, *, softmax_scale, block_size, signs=None, window_right=-1):
+  """Independent NumPy/ml_dtypes model of the kernel's numerics with a single key tile (so the
+  running max is the row max): rotate, quantize, exact e4m3 products, e4m3(2^8 · P)."""
+  e4m3 = ml_dtypes.float8_e4m3fn
+
+  def quant(x, block):
+    b, s, h, d = x.shape
+    block = s if block is None else block
+    out, scales = np.empty_like(x), np.empty((b, h, -(-s // block)), np.float32)
+    for i, start in enumerate(range(0, s, block)):
+      part = x[:, start:start + block]
+      amax = np.abs(part).max(axis=(1, 3))
+      scale = np.where(amax > 0, amax * np.float32(1 / 448), np.float32(1)).astype(np.float32)
+      scales[..., i] = scale
+      out[:, start:start + block] = (part / scale[:, None, :, None]).astype(e4m3).astype(np.float32)
+    return out, np.swapaxes(np.repeat(scales, block, -1)[..., :s], 1, 2)[..., None]
+
+  q, k, v = (np.asarray(x, np.float32) for x in (q, k, v))
+  if signs is not None:
+    rotate = jax.jit(functools.partial(jax_fa3.hadamard_transform, signs=signs))
+    q, k = (np.asarray(rotate(jnp.asarray(x))) for x in (q, k))
+  q8, qs = quant(q, block_size)
+  k8, ks = quant(k, block_size)
+  v8, vs = quant(v, None)
+  h, h_k = q.shape[2], k.shape[2]
+  rep = lambda x: np.repeat(x, h // h_k, axis=2)
+  scores = np.einsum("bqhd,bkhd->bhqk", q8.astype(np.float64), rep(k8).astype(np.float64))
+  scores = scores * np.einsum("bqh->bhq", qs[..., 0])[..., None] * np.einsum(
+      "bkh->bhk", rep(ks)[..., 0])[:, :, None, :] * softmax_scale
+  s_q, s_k = q.shape[1], k.shape[1]
+  if window_right >= 0:
+    scores = np.where(np.arange(s_k)[None] <= np.arange(s_q)[:, None] + s_k - s_q + window_right,
+                      scores, -np.inf)
+  probs = np.exp(scores - scores.max(-1, keepdims=True))
+  probs8 = (probs * 256).astype(np.float32).astype(e4m3).astype(np.float64)
+  out = np.einsum("bhqk,bkhd->bqhd", probs8, rep(v8).astype(np.float64))
+  return out * rep(vs)[:, 0:1, :, :] / (256 * np.einsum("bhq->bqh", probs.sum(-1))[..., None])
+
+
+@pytest.mark.parametrize("incoherent,causal", [(False, False), (True, True)])
+def test_emulation_matches_independent_model(incoherent, causal):
+  q, k, v = _normal(2, (2, 70, 4, 32), (2, 90, 2, 32), (2, 90, 2, 32))
+  signs = jnp.asarray(np.random.default_rng(3).choice([-1.0, 1.0], 32), jnp.float32)
+  out = flash_attention_fp8(q, k, v, causal=causal, incoherent=incoherent, block_size=16,
+                            signs=signs if incoherent else None)
+  model = _dense_emulation(q, k, v, softmax_scale=32**-0.5, block_size=16,
+                           signs=signs if incoherent else None, window_right=0 if causal else -1)
+  # s_k = 90 < 128 keys: one tile, so the model's P is the kernel's P; what remains is float32
+  # vs float64 arithmetic (rarely flipping an e4m3 rounding of P) and the bf16 output rounding.
+  assert _rmse(out, model) < 2e-3 * np.sqrt(np.mean(model**2))
+  np.testing.assert_allclose(np.asarray(out, np.float64), model, atol=0.02, rtol=0.02)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (20, 5))])
+def test_close_to_float64_on_normal_inputs(causal, window):
+  # Expected relative RMSE on N(0,1) data: e4m3 rounding has an rms relative error of about
+  # 2^-3 · 0.72 / sqrt(12) ~= 0.026 (the step is 2^-4..2^-3 of the value). The scores carry two
+  # such errors (q and k): ~0.037 of the score's size (~1 with the 1/sqrt(d) scale), which moves the
+  # output by ~0.037 of its size; P and v add ~0.026 each: sqrt(0.037^2 + 2 · 0.026^2) ~= 0.052.
+  # Measured: 0.046-0.052. We require 0.03..0.07: fp8 really is used and nothing else is lost.
+  q, k, v = _normal(4, (2, 200, 4, 64), (2, 230, 2, 64), (2, 230, 2, 64))
+  out, lse = flash_attention_fp8(q, k, v, causal=causal, window_size=window, return_lse=True)
+  right = 0 if causal else window[1]
+  ref, ref_lse = attention_oracle(*_f64(q, k, v), softmax_scale=1 / 8, window_left=window[0],
+                                  window_right=right)
+  assert out.dtype == jnp.bfloat16 and out.shape == q.shape
+  assert lse.dtype == jnp.float32 and lse.shape == (2, 4, 200)
+  rel = _rmse(out, ref) / np.sqrt(np.mean(ref**2))
+  assert 0.03 < rel < 0.07, rel
+  np.testing.assert_allclose(np.asarray(lse), ref_lse, atol=0.15)
+  bf16 = jax_fa3.flash_attention(q, k, v, causal=causal, window_size=window)
+  assert _rmse(out, np.asarray(bf16, np.float64)) / np.sqrt(np.mean(ref**2)) < 0.07
+
+
+def test_empty_rows_and_output_dtypes():
+  q, k, v = _normal(5, (1, 12, 2, 16), (1, 8, 1, 16), (1, 8, 1, 16), dtype=jnp.float32)
+  # Window (0, 0) with s_q > s_k: the first s_q - s_k queries see no key.
+  out, lse = flash_attention_fp8(q, k, v, window_size=(0, 0), return_lse=True)
+  assert out.dtype == jnp.float32
+  assert np.all(np.asarray(out)[:, :4] == 0) and np.all(np.isposinf(np.asarray(lse)[:, :, :4]))
+  assert np.all(np.isfinite(np.asarray(lse)[:, :, 4:]))
+  out16 = flash_attention_fp8(q.astype(jnp.float16), k.astype(jnp.float16), v.astype(jnp.float16))
+  assert out16.dtype == jnp.float16
+
+
+def _outlier_inputs(seed, b, s, h, d):
+  """N(0,1) + N(0, variance 100) · Bernoulli(0.001) (FA3 paper, Table 3), rounded to bf16."""
+  rng = np.random.default_rng(seed)
+
+  def one():
+    x = rng.standard_normal((b, s, h, d))
+    x += 10.0 * rng.standard_normal((b, s, h, d)) * (rng.random((b, s, h, d)) < 1e-3)
+    return jnp.asarray(x, jnp.bfloat16)
+
+  return one(), one(), one()
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_issue5_accuracy_targets_with_outliers(d):
+  # Issue 5: with the rotation, RMSE falls by >= 1.25x non-causal (>= 1.05x causal) vs block
+  # quantization without it, and stays <= 1.5e-2. s=1024, h=4 (1M-4M elements, ~1-4k outliers per
+  # tensor): over seeds 0-2 the measured gains are 1.44-2.15 (non-causal) and 1.21-1.39 (causal),
+  # RMSE 5.9e-3..1.1e-2, so the fixed seed below is not a lucky draw.
+  q, k, v = _outlier_inputs(d, 1, 1024, 4, d)
+  signs = jax.random.rademacher(jax.random.PRNGKey(0), (d,), dtype=jnp.float32)
+  for causal, min_gain in ((False, 1.25), (True, 1.05)):
+    ref, _ = attention_oracle(*_f64(q, k, v), softmax_scale=d**-0.5,
+                              window_right=0 if causal else -1)
+    plain = _rmse(flash_attention_fp8(q, k, v, causal=causal, incoherent=False), ref)
+    rotated = _rmse(flash_attention_fp8(q, k, v, causal=causal, signs=signs), ref)
+    assert plain / rotated >= min_gain, (causal, plain, rotated)
+    assert rotated <= 1.5e-2, (causal, rotated)
+
+
+# ---------------------------------------------------------------------------------------------
+# API: rotation, pre-quantized inputs, gradients, transformations
+# ---------------------------------------------------------------------------------------------
+
+def test_key_signs_and_prequantized_paths_agree():
+  q, k, v = _normal(6, (1, 80, 4, 32), (1, 80, 2, 32), (1, 80, 2, 32))
+  key = jax.random.PRNGKey(7)
+  signs = jax.random.rademacher(key, (32,), dtype=jnp.float32)
+  by_key = flash_attention_fp8(q, k, v, key=key)
+  by_signs = flash_attention_fp8(q, k, v, signs=signs)
+  np.testing.assert_array_equal(np.asarray(by_key), np.asarray(by_signs))
+  # Default key = PRNGKey(0).
+  np.testing.assert_array_equal(
+      np.asarray(flash_attention_fp8(q, k, v)),
+      np.asarray(flash_attention_fp8(q, k, v, key=jax.random.PRNGKey(0))))
+  assert not np.array_equal(np.asarray(by_key), np.asarray(flash_attention_fp8(q, k, v)))
+  # Rotating and quantizing by hand, then passing (values, scales) pairs: the same numbers.
+  rot = jax.jit(lambda x: jax_fa3.hadamard_transform(x.astype(jnp.float32), signs=signs))
+  pre = flash_attention_fp8(quantize_fp8(rot(q)), quantize_fp8(rot(k)),
+                            quantize_fp8(v, block_size=None), incoherent=False)
+  np.testing.assert_array_equal(np.asarray(pre), np.asarray(by_signs))
+  assert pre.dtype == jnp.bfloat16
+
+
+def test_gradients_are_straight_through():
+  # The backward is flash_attention's at the unquantized inputs: bit-identical gradients.
+  q, k, v = _normal(8, (2, 40, 4, 32), (2, 50, 2, 32), (2, 50, 2, 32))
+  w = _normal(9, (2, 40, 4, 32), dtype=jnp.float32)[0]
+  signs = jnp.ones((32,), jnp.float32)
+
+  def loss(attn, q, k, v, *args):
+    return jnp.sum(attn(q, k, v, *args).astype(jnp.float32) * w)
+
+  # Under jit, with traced signs (as the flax layers pass them).
+  fp8_attn = lambda q, k, v, s: flash_attention_fp8(q, k, v, causal=True, signs=s)
+  g = jax.jit(jax.grad(functools.partial(loss, fp8_attn), argnums=(0, 1, 2, 3)))(q, k, v, signs)
+  ref_attn = functools.partial(jax_fa3.flash_attention, causal=True)
+  g_ref = jax.jit(jax.grad(functools.partial(loss, ref_attn), argnums=(0, 1, 2)))(q, k, v)
+  for a, b in zip(g, g_ref):
+    assert a.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(a, np.float32)))
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  np.testing.assert_array_equal(np.asarray(g[3]), 0.0)  # no gradient flows into the signs
+
+
+def test_gradients_through_lse_are_straight_through():
+  q, k, v = _normal(12, (1, 24, 2, 16), (1, 24, 1, 16), (1, 24, 1, 16), dtype=jnp.float32)
+
+  def loss(attn, q):
+    out, lse = attn(q, k, v, return_lse=True)
+    return jnp.sum(out**2) + jnp.sum(lse[..., :5])
+
+  try:
+    g_ref = jax.grad(functools.partial(loss, jax_fa3.flash_attention))(q)
+  except TypeError as e:
+    if "dlse" not in str(e):
+      raise
+    pytest.xfail(f"flash_attention's own gradient through lse fails: {e}")
+  g = jax.grad(functools.partial(loss, flash_attention_fp8))(q)
+  np.testing.assert_array_equal(np.asarray(g), np.asarray(g_ref))
+
+
+def test_vmap_matches_batch():
+  q, k, v = _normal(10, (3, 1, 30, 2, 16), (3, 1, 30, 2, 16), (3, 1, 30, 2, 16))
+  out = jax.vmap(lambda q, k, v: flash_attention_fp8(q, k, v, causal=True))(q, k, v)
+  # Per-(batch, head, block) scales: each vmapped example is quantized on its own either way.
+  batch = flash_attention_fp8(q[:, 0], k[:, 0], v[:, 0], causal=True)
+  np.testing.assert_array_equal(np.asarray(out[:, 0]), np.asarray(batch))
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------
+
+_Q, _K, _V = _normal(11, (1, 8, 2, 16), (1, 8, 1, 16), (1, 8, 1, 16))
+
+
+@pytest.mark.parametrize("args,kwargs,error,message", [
+    ((_Q[0], _K, _V), {}, ValueError, "q must have rank 4"),
+    ((_Q.astype(jnp.float64), _K.astype(jnp.float64), _V.astype(jnp.float64)), {}, TypeError,
+     "float32, bfloat16, float16"),
+    ((_Q, _K.astype(jnp.float32), _V), {}, TypeError, "share one dtype"),
+    ((_Q, _K, _V[:, :4]), {}, ValueError, "k and v must have the same shape"),
+    ((_Q[..., :12], _K[..., :12], _V[..., :12]), {}, ValueError, "multiple of 8"),
+    ((_Q, _K, _V), {"block_size": 0}, ValueError, "block_size must be a positive int"),
+    ((_Q, _K, _V), {"block_size": 32.0}, TypeError, "block_size must be a positive int"),
+    ((_Q, _K, _V), {"incoherent": 1}, TypeError, "incoherent must be a bool"),
+    ((_Q, _K, _V), {"causal": True, "window_size": (-1, 2)}, ValueError, "causal=True means"),
+    ((_Q, _K, _V), {"signs": jnp.ones(8)}, ValueError, r"signs must have shape \(16,\)"),
+    ((_Q, _K, _V), {"signs": 2 * jnp.ones(16)}, ValueError, "only \\+1 and -1"),
+    ((_Q, _K, _V), {"signs": jnp.ones(16), "key": jax.random.PRNGKey(1)}, ValueError,
+     "key .* or signs, not both"),
+    ((_Q, _K, _V), {"key": 3}, TypeError, "key must be a JAX PRNG key"),
+    ((quantize_fp8(_Q), _K, _V), {}, TypeError, "all arrays or all \\(values, scales\\) pairs"),
+    ((quantize_fp8(_Q), quantize_fp8(_K), quantize_fp8(_V, block_size=None)), {}, ValueError,
+     "incoherent=False"),
+    ((quantize_fp8(_Q), quantize_fp8(_K), quantize_fp8(_V, block_size=4)), {"incoherent": False},
+     ValueError, r"v scales must have shape \(1, 1, 1\)"),
+    ((quantize_fp8(_Q, block_size=4), quantize_fp8(_K), quantize_fp8(_V, block_size=None)),
+     {"incoherent": False}, ValueError, r"q scales must have shape \(1, 2, 1\)"),
+    (((_Q, quantize_fp8(_Q)[1]), quantize_fp8(_K), quantize_fp8(_V, block_size=None)),
+     {"incoherent": False}, TypeError, "q values must be float8_e4m3fn"),
+])
+def test_bad_inputs_raise_clear_errors(args, kwargs, error, message):
+  with pytest.raises(error, match=message):
+    flash_attention_fp8(*args, **kwargs)
+
+
+def test_quantize_bad_inputs():
+  with pytest.raises(ValueError, match="x must have rank 4"):
+    quantize_fp8(jnp.ones((4, 4)))
+  with pytest.raises(TypeError, match="x must have a floating dtype"):
+    quantize_fp8(jnp.ones((1, 4, 1, 8), jnp.int32))
+  with pytest.raises(ValueError, match="block_size must be a positive int"):
+    quantize_fp8(jnp.ones((1, 4, 1, 8)), block_size=-1)
+  values, scales = quantize_fp8(jnp.ones((1, 4, 1, 8)), block_size=2)
+  with pytest.raises(ValueError, match=r"x scales must have shape \(1, 1, 1\)"):
+    dequantize_fp8(values, scales, block_size=64)
+
+
+def test_reports_emulation_path():
+  assert fp8._kernel_unavailable_reason() is not None or jax_fa3.kernels_available()
