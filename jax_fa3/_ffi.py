@@ -98,3 +98,11 @@ def announce_once(key: str, message: str) -> None:
   if key not in _announced:
     _announced.add(key)
     logger.warning(message)
+
+
+def flash_bwd_workspace_bytes(b: int, h: int, s_q: int, d: int, deterministic: bool) -> int:
+  """Size of the workspace result the backward handler needs (the formula lives in C++ only)."""
+  module, reason = _extension()
+  if module is None:
+    raise RuntimeError(f"jax_fa3 kernels unavailable: {reason}")
+  return int(module.flash_bwd_workspace_bytes(b, h, s_q, d, deterministic))

@@ -96,7 +96,7 @@ def test_forward_grid_sizes(b, h):
 
 
 def test_forward_under_vmap_folds_into_batch():
-  q, k, v = _inputs(11, 2, 130, 130, 2, 2, 64, jnp.bfloat16)
+  q, k, v = _inputs(11, 2, 130, 130, 2, 2, 128, jnp.bfloat16)
   stacked = [jnp.stack([x, x[::-1]]) for x in (q, k, v)]
   fn = jax.jit(jax.vmap(lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=True)))
   hlo = fn.lower(*stacked).as_text()

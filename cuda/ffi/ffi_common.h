@@ -3,9 +3,10 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdio>
 #include <optional>
-#include <sstream>
 #include <string>
+#include <type_traits>
 
 #include "common/dtype.h"
 #include "xla/ffi/api/ffi.h"
@@ -24,26 +25,45 @@ inline std::optional<DType> to_dtype(ffi::DataType t) {
   }
 }
 
+// Message building without iostreams: std::ostream inside a handler crashed XLA's process on the
+// H200 (2026-11-30: a segfault in ostream::_M_insert<long> during an error return), so plain
+// string appends it is.
+inline void append(std::string& s, const char* v) { s += v; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+template <typename T>
+inline void append(std::string& s, T v) {
+  if constexpr (std::is_same_v<T, bool>) {
+    s += v ? "true" : "false";
+  } else if constexpr (std::is_integral_v<T>) {
+    s += std::to_string(v);
+  } else {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%g", static_cast<double>(v));
+    s += buf;
+  }
+}
+
 inline std::string shape_str(ffi::AnyBuffer::Dimensions dims) {
-  std::ostringstream s;
-  s << "(";
-  for (size_t i = 0; i < dims.size(); ++i) s << (i ? ", " : "") << dims[i];
-  s << (dims.size() == 1 ? ",)" : ")");
-  return s.str();
+  std::string s = "(";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  s += dims.size() == 1 ? ",)" : ")";
+  return s;
 }
 
 template <typename... Parts>
 ffi::Error invalid(const Parts&... parts) {
-  std::ostringstream s;
-  (s << ... << parts);
-  return ffi::Error::InvalidArgument(s.str());
+  std::string s;
+  (append(s, parts), ...);
+  return ffi::Error::InvalidArgument(s);
 }
 
 inline ffi::Error from_cuda(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return ffi::Error::Success();
-  std::ostringstream s;
-  s << what << " failed: " << cudaGetErrorName(err) << ": " << cudaGetErrorString(err);
-  return ffi::Error::Internal(s.str());
+  return ffi::Error::Internal(std::string(what) + " failed: " + cudaGetErrorName(err) + ": " +
+                              cudaGetErrorString(err));
 }
 
 }  // namespace jax_fa3::ffi_util

@@ -69,12 +69,13 @@ ffi::Error check_rank4(const char* name, ffi::AnyBuffer::Dimensions dims) {
   return ffi::Error::Success();
 }
 
-ffi::Error flash_bwd_impl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer q,
+ffi::Error flash_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q,
                           ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
                           ffi::AnyBuffer dout, ffi::AnyBuffer lse, float softmax_scale,
                           float softcap, int32_t window_left, int32_t window_right,
                           bool deterministic, ffi::Result<ffi::AnyBuffer> dq,
-                          ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv) {
+                          ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                          ffi::Result<ffi::AnyBuffer> workspace) {
   for (auto [name, buf] : {std::pair<const char*, ffi::AnyBuffer*>{"q", &q}, {"k", &k}, {"v", &v},
                            {"out", &out}, {"dout", &dout}}) {
     if (auto err = check_rank4(name, buf->dimensions()); err.failure()) return err;
@@ -179,13 +180,13 @@ ffi::Error flash_bwd_impl(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
 
   if (b > 0 && h > 0 && s_q > 0 && s_k > 0) {
     const auto ws = flash_bwd::workspace_layout(b, h, s_q, d, deterministic);
-    auto mem = scratch.Allocate(ws.total, 256);
-    if (!mem.has_value() || *mem == nullptr) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        "flash_bwd: could not allocate " + std::to_string(ws.total) +
-                            " bytes of workspace (dQ accumulator, D, LSE)");
+    // The workspace arrives as an extra (discarded) result that XLA allocates with the call's
+    // other temporaries: XLA's FFI ScratchAllocator returned nothing on the H200 (JAX 0.11.2).
+    if (workspace->size_bytes() < ws.total) {
+      return invalid("flash_bwd: workspace must have at least ", ws.total, " bytes (see ",
+                     "jax_fa3_flash_bwd_workspace_bytes), got ", workspace->size_bytes());
     }
-    char* base = static_cast<char*>(*mem);
+    char* base = static_cast<char*>(workspace->untyped_data());
     p.dq_accum = reinterpret_cast<float*>(base + ws.dq_accum);
     p.lse_log2 = reinterpret_cast<float*>(base + ws.lse_log2);
     p.dpsum = reinterpret_cast<float*>(base + ws.dpsum);
@@ -205,10 +206,14 @@ ffi::Error flash_bwd_impl(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
 }  // namespace
 }  // namespace jax_fa3
 
+extern "C" size_t jax_fa3_flash_bwd_workspace_bytes(int64_t b, int64_t h, int64_t s_q, int64_t d,
+                                                    bool deterministic) {
+  return jax_fa3::flash_bwd::workspace_layout(b, h, s_q, d, deterministic).total;
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashBwd, jax_fa3::flash_bwd_impl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::ScratchAllocator>()
                                   .Arg<xla::ffi::AnyBuffer>()   // q
                                   .Arg<xla::ffi::AnyBuffer>()   // k
                                   .Arg<xla::ffi::AnyBuffer>()   // v
@@ -222,4 +227,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashBwd, jax_fa3::flash_bwd_impl,
                                   .Attr<bool>("deterministic")
                                   .Ret<xla::ffi::AnyBuffer>()   // dq
                                   .Ret<xla::ffi::AnyBuffer>()   // dk
-                                  .Ret<xla::ffi::AnyBuffer>()); // dv
+                                  .Ret<xla::ffi::AnyBuffer>()   // dv
+                                  .Ret<xla::ffi::AnyBuffer>()); // workspace (uint8)

@@ -1,5 +1,8 @@
 // The list of FFI targets, exported with C linkage so the Python binding needs no kernel headers.
 #pragma once
+#include <cstddef>
+#include <cstdint>
+
 #include "common/cuda_check.h"
 
 namespace jax_fa3 {
@@ -12,3 +15,6 @@ struct FfiTarget {
 extern "C" JAX_FA3_EXPORT const jax_fa3::FfiTarget* jax_fa3_ffi_targets(int* count);
 // Semicolon-separated description of what this library was compiled with (head dims, dtypes).
 extern "C" JAX_FA3_EXPORT const char* jax_fa3_build_config();
+// Bytes of the uint8 workspace result that jax_fa3_flash_bwd needs for this problem.
+extern "C" JAX_FA3_EXPORT size_t jax_fa3_flash_bwd_workspace_bytes(int64_t b, int64_t h, int64_t s_q,
+                                                                   int64_t d, bool deterministic);

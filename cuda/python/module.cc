@@ -16,4 +16,7 @@ NB_MODULE(_jax_fa3_cuda, m) {
     return out;
   }, "Mapping from FFI target name to its handler capsule (platform CUDA, api_version 1).");
   m.def("build_config", []() { return std::string(jax_fa3_build_config()); });
+  m.def("flash_bwd_workspace_bytes", &jax_fa3_flash_bwd_workspace_bytes, nb::arg("batch"),
+        nb::arg("heads"), nb::arg("seqlen_q"), nb::arg("head_dim"), nb::arg("deterministic"),
+        "Size of the uint8 workspace result of jax_fa3_flash_bwd.");
 }
