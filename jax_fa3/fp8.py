@@ -19,16 +19,18 @@ path emulates: same e4m3 rounding, same blocks, same scales):
 4. Softmax: online over key tiles (`EMULATION_TILE_K` = 128 keys here; the kernel's kBlockN there),
    P = exp(S - running max) computed in the exp2 domain as the kernel does. P is quantized as
    e4m3(2^8 · P): P ∈ [0, 1] is shifted by FlashAttention-3's `Max_offset = 8` so that it uses
-   e4m3's range [2^-9, 448] (values below 2^-17 flush to zero, below 2^-14 are subnormal) — no
+   e4m3's range [2^-9, 448] (P below 2^-18 rounds to zero, below 2^-14 is subnormal) — no
    per-row or per-tile scale is needed because the shift is an exact power of two. The row sum is
    accumulated from the float32 P before quantization (as FA3 does).
 5. O = (Σ P8 · v8) · v_scale / (2^8 · row sum), accumulated in float32, rounded to bfloat16 (the
    kernel's output type), then cast to q's dtype. LSE is float32, natural log, of the descaled
    scores (+inf and output 0 for rows that see no key).
 
-Agreement with the kernel is exact in every quantization step; the remaining differences are
-float32 operation order, the key tile width (the running max at which P is quantized) and the
-Hopper fp8 tensor-core accumulator, whose internal precision is below float32.
+The quantization of q, k and v is the kernel path's bit for bit (given the same rotated float32
+inputs; the CUDA Hadamard kernel may order its butterflies differently). The remaining differences
+are float32 operation order, the key tile width (the running max at which P is quantized) and the
+Hopper fp8 tensor-core accumulator, whose internal precision is below float32: compare the kernel
+with this emulation to a tolerance, not bitwise.
 
 Gradients are straight-through: the custom_vjp backward recomputes the bf16/fp16/fp32 forward
 (`_ops.forward`) on the unquantized, unrotated inputs and runs `_ops.backward` on them, so the
