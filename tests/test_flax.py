@@ -262,6 +262,14 @@ def test_attention_fn_refuses_what_it_cannot_honour(kwargs, error, match):
     jax.eval_shape(functools.partial(fx.dot_product_attention, **kwargs), *_qkv())
 
 
+def test_attention_fn_takes_any_number_of_batch_dims():
+  q, k, v = _qkv()
+  for batch_shape in ((), (3,), (2, 3)):
+    args = [jax.ShapeDtypeStruct(batch_shape + x.shape[1:], x.dtype) for x in (q, k, v)]
+    out = jax.eval_shape(fx.dot_product_attention, *args)
+    assert out.shape == args[0].shape and out.dtype == F32
+
+
 def test_attention_fn_is_causal_needs_equal_lengths():
   with pytest.raises(ValueError, match="bottom-right"):
     jax.eval_shape(functools.partial(fx.dot_product_attention, is_causal=True), *_qkv(8, 12))
