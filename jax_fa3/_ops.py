@@ -76,6 +76,32 @@ def _backward_kernel(cfg: AttentionConfig):
   return lambda q, k, v, out, lse, dout: batched(q, k, v, out, dout, lse)
 
 
+def forward_local(q, k, v, cfg: AttentionConfig):
+  """(out, lse) on one device: out like q, lse (batch, heads, seqlen_q) float32."""
+  def ref(q, k, v):
+    return reference.attention_forward(q, k, v, **cfg.kwargs())
+
+  if not _use_kernel("jax_fa3_flash_fwd", q):
+    return ref(q, k, v)
+  return jax.lax.platform_dependent(q, k, v, cuda=_forward_kernel(cfg), default=ref)
+
+
+def backward_local(q, k, v, out, lse, dout, cfg: AttentionConfig, dlse=None):
+  """On one device: (dq, dk, dv); see `backward`."""
+  def ref(q, k, v, out, lse, dout):
+    if dlse is None:
+      return reference.attention_backward(q, k, v, out, lse, dout, **cfg.kwargs())
+    return reference.attention_backward(q, k, v, out, lse, dout, dlse=dlse, **cfg.kwargs())
+
+  if dlse is not None or not _use_kernel("jax_fa3_flash_bwd", q):
+    # The kernels take no lse cotangent yet: gradients through a returned lse use the reference.
+    return ref(q, k, v, out, lse, dout)
+  return jax.lax.platform_dependent(q, k, v, out, lse, dout, cuda=_backward_kernel(cfg),
+                                    default=ref)
+
+
+# Multi-device: the partitioning rules of jax_fa3.sharding (batch/head sharding local, sequence
+# sharding as a ring) wrap the single-device ops above, for the kernels and the reference alike.
 def forward(q, k, v, cfg: AttentionConfig):
   """(out, lse): out like q, lse (batch, heads, seqlen_q) float32; partitioned under sharding."""
   from jax_fa3 import sharding
