@@ -15,7 +15,9 @@ attention op (forward, backward; any op whose operands and results are (b, s, h,
     head_dim  -> replicated (gathered): a score needs the whole of q.k; unavoidable with FA kernels;
     sequence  -> q and k/v split over the same mesh axes: ring attention (`jax_fa3.ring`, K/V
                  blocks passed round with collective-permute, contiguous blocks since the data
-                 is in natural order); q split but k/v not (or a configuration the ring does not
+                 is in natural order: causal work is then unbalanced, the last device doing n
+                 times the first's; `sequence_parallel_attention(..., zigzag=True)` on
+                 zig-zag-ordered data balances it); q split but k/v not (or a configuration the ring does not
                  run: sliding windows, causal with s_q != s_k): non-windowed attention keeps q
                  split and gathers k/v; windowed attention gathers the sequence.
   The same wrapper serves the kernel and the pure-JAX path, so CPU tests exercise it.

@@ -1,4 +1,4 @@
-"""Partitioning rules of the attention ops under plain jit, shard_map, pmap and vmap (8 CPU devices).
+"""Partitioning rules of the attention ops under jit, shard_map, pmap and vmap (8 CPU devices).
 
 tests/conftest.py sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts. The
 meshes are built from CPU devices, so on a GPU machine these tests still run the reference path.
