@@ -251,7 +251,10 @@ def train(args, attention: str, init_params, corpus) -> dict:
   tokens_per_s = timed_tokens / elapsed if args.steps > 1 else float("nan")
   print(f"{attention:8s} {args.parallel:9s} devices={len(devices)} final loss {losses[-1]:.4f} "
         f"({tokens_per_s:,.0f} tokens/s after the first step)")
-  return dict(attention=attention, losses=losses, tokens_per_s=tokens_per_s)
+  label = attention
+  if attention == "jax_fa3" and not jax_fa3.kernels_available():
+    label += " (pure-JAX path)"  # no Hopper kernels here: say so next to the numbers
+  return dict(attention=attention, label=label, losses=losses, tokens_per_s=tokens_per_s)
 
 
 def plot_losses(results: list[dict], path: str) -> None:
@@ -261,7 +264,7 @@ def plot_losses(results: list[dict], path: str) -> None:
   fig, ax = plt.subplots(figsize=(7, 4))
   for r in results:
     ax.plot(np.arange(1, len(r["losses"]) + 1), r["losses"],
-            label=f"{r['attention']} ({r['tokens_per_s']:,.0f} tok/s)")
+            label=f"{r['label']}: {r['tokens_per_s']:,.0f} tok/s")
   ax.set(xlabel="step", ylabel="train loss (nats/byte)", title="byte-level GPT, same init/data")
   ax.legend()
   fig.tight_layout()
