@@ -29,6 +29,18 @@ DEFAULT_BLOCK_K = 512
 _HIGHEST = lax.Precision.HIGHEST
 
 
+def _filled(shape, value, dtype, like):
+    """jnp.full(shape, value) that varies over the same shard_map axes as the arrays in `like`.
+
+    A lax.scan carry must keep its type; under shard_map (check_vma) a carry that starts as a plain
+    constant but absorbs sharded inputs changes type. zeros_like inserts the needed pvary.
+    """
+    out = jnp.full(shape, value, dtype)
+    for x in like:
+        out = out + jnp.zeros_like(x, dtype=dtype, shape=())
+    return out
+
+
 def _compute_dtype(dtype):
     return jnp.float64 if jnp.dtype(dtype) == jnp.float64 else jnp.float32
 
@@ -172,8 +184,9 @@ def _forward_query_block(problem, k_blocks, v_blocks, q_block, q_block_index):
         return (new_max, row_sum, acc), None
 
     stats_shape = (b, h_k, group, block_q)
-    init = (jnp.full(stats_shape, -jnp.inf, dtype), jnp.zeros(stats_shape, dtype),
-            jnp.zeros(stats_shape + (d,), dtype))
+    like = (q_block, k_blocks, v_blocks)
+    init = (_filled(stats_shape, -jnp.inf, dtype, like), _filled(stats_shape, 0, dtype, like),
+            _filled(stats_shape + (d,), 0, dtype, like))
     k_block_indices = jnp.arange(k_blocks.shape[0])
     (row_max, row_sum, acc), _ = lax.scan(step, init, (k_blocks, v_blocks, k_block_indices))
 
@@ -248,7 +261,7 @@ def _backward_key_block(problem, query_side, k_block, v_block, k_block_index):
         dk_acc = dk_acc + jnp.einsum("bhgqk,bhgqd->bhkd", dscores, q_block, precision=_HIGHEST)
         return (dk_acc, dv_acc), dq_block
 
-    zeros = jnp.zeros(k_block.shape, dtype)
+    zeros = _filled(k_block.shape, 0, dtype, (k_block, v_block, *query_side))
     q_block_indices = jnp.arange(query_side[0].shape[0])
     (dk_block, dv_block), dq_parts = lax.scan(step, (zeros, zeros),
                                              (*query_side, q_block_indices))
@@ -256,7 +269,7 @@ def _backward_key_block(problem, query_side, k_block, v_block, k_block_index):
 
 
 def attention_backward(q, k, v, out, lse, dout, *, softmax_scale, window_left=-1,
-                       window_right=-1, softcap=0.0, block_q=None, block_k=None):
+                       window_right=-1, softcap=0.0, block_q=None, block_k=None, dlse=None):
     """Blocked attention backward (FlashAttention-2 style, recomputing P from the LSE).
 
     Args:
@@ -264,6 +277,8 @@ def attention_backward(q, k, v, out, lse, dout, *, softmax_scale, window_left=-1
         attention_forward.
       out: (b, s_q, h, d), the forward output; lse: (b, h, s_q), the forward LSE (+inf on empty rows).
       dout: (b, s_q, h, d), the cotangent of out.
+      dlse: optional (b, h, s_q), the cotangent of a returned lse; since d lse_i / d s_ij = P_ij it
+        enters as dS = P ∘ (dP − D + dlse), i.e. D − dlse in place of D.
 
     Returns:
       dq (b, s_q, h, d), dk and dv (b, s_k, h_k, d), in the inputs' dtype; dk and dv are summed over
@@ -279,6 +294,8 @@ def attention_backward(q, k, v, out, lse, dout, *, softmax_scale, window_left=-1
     # D_i = sum_d dO_id O_id = sum_j P_ij dP_ij, the softmax Jacobian's row term; (b, h, s_q).
     delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(dtype), out.astype(dtype),
                        precision=_HIGHEST)
+    if dlse is not None:
+      delta = delta - dlse.astype(dtype)
     # Padded query rows get lse = +inf (so P = 0 there) and dout = 0.
     query_side = (_block_queries(q, problem.block_q, h_k),
                   _block_queries(dout, problem.block_q, h_k),
@@ -291,7 +308,7 @@ def attention_backward(q, k, v, out, lse, dout, *, softmax_scale, window_left=-1
         dk_block, dv_block, dq_parts = _backward_key_block(problem, query_side, *key_block_inputs)
         return dq_acc + dq_parts, (dk_block, dv_block)
 
-    dq_init = jnp.zeros(query_side[0].shape, dtype)
+    dq_init = _filled(query_side[0].shape, 0, dtype, (*query_side, k_blocks, v_blocks))
     k_block_indices = jnp.arange(k_blocks.shape[0])
     dq_blocks, (dk_blocks, dv_blocks) = lax.scan(step, dq_init,
                                                  (k_blocks, v_blocks, k_block_indices))

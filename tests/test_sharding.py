@@ -132,6 +132,18 @@ def test_shard_map_over_flash_attention():
   assert all(n == 0 for n in collectives(hlo).values()), collectives(hlo)
 
 
+@pytest.mark.skipif(not hasattr(jax, "shard_map"), reason="jax.shard_map (with check_vma) needs JAX >= 0.7")
+def test_users_checked_shard_map_over_flash_attention():
+  # A user's own jax.shard_map keeps its default check_vma=True: scan carries must stay typed.
+  mesh = make_mesh((4, 2), ("data", "model"), "auto")
+  args = qkv()
+  fn = functools.partial(fwd_bwd, causal=True)
+  spec = P("data", None, "model")
+  mapped = jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4)
+  got, _ = run_sharded(mapped, mesh, [spec] * 4, *args)
+  assert_close(got, on_one_device(fn, *args))
+
+
 def test_pmap_over_flash_attention():
   q, k, v, ct = qkv()
   fn = functools.partial(fwd_bwd, causal=True)
