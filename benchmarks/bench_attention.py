@@ -57,7 +57,7 @@ def run(head_dims, seqlens, directions, dtype, min_time):
           row = dict(peer=peer.name, d=d, h=h, b=b, seqlen=s, causal=causal,
                      dtype=str(jnp.dtype(peer.dtype or dtype)))
           try:
-            row["rel_err"] = _bench.relative_error(fwd(q, k, v), q, k, v, causal)
+            row["rel_err"] = _bench.relative_error(fwd(q, k, v), q, k, v, causal, peer.unit_scale)
             t_fwd = _bench.median_seconds(fwd, q, k, v, min_time=min_time)
             row["fwd_ms"] = t_fwd * 1e3
             row["fwd_tflops"] = _bench.attention_flops(b, h, s, s, d, causal) / t_fwd / 1e12

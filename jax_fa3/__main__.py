@@ -43,7 +43,7 @@ def main(argv=None) -> None:
         q, k, v = _bench.random_qkv(sub, b, s, h, d, peer.dtype or dtype)
         fn = jax.jit(peer.forward)
         try:
-          err = _bench.relative_error(fn(q, k, v), q, k, v, causal)
+          err = _bench.relative_error(fn(q, k, v), q, k, v, causal, peer.unit_scale)
           seconds = _bench.median_seconds(fn, q, k, v, min_time=0.1 if on_gpu else 0.05, repeats=5)
         except Exception as e:  # noqa: BLE001 (a peer failing must not hide the others)
           print(f"{causal!s:>6} {b:>3} {s:>6} {h:>3} {d:>4} | {peer.name:>12} failed: "

@@ -41,6 +41,7 @@ class Peer:
   name: str
   forward: Callable          # (q, k, v) -> out, under jit
   dtype: object = None       # force this input dtype (e.g. Pallas MGPU runs fp16 only)
+  unit_scale: bool = False   # the peer applies no 1/sqrt(d) softmax scale (Pallas MGPU)
 
 
 def _dpa(implementation, causal):
@@ -57,20 +58,22 @@ def peers(causal: bool, on_gpu: bool) -> list[Peer]:
     try:
       from jax.experimental.pallas.ops.gpu import attention_mgpu  # noqa: PLC0415
       # JAX's own tuned setting for H100 (attention_mgpu's benchmark): 2 WGs of 64 query rows.
-      config = attention_mgpu.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2,
-                                           causal=causal)
+      config = attention_mgpu.TuningConfig(
+          block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal,
+          block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
       def mgpu(q, k, v):
         return attention_mgpu.attention(q, k, v, config)
-      out.append(Peer("pallas_mgpu", mgpu, dtype=jnp.float16))
+      out.append(Peer("pallas_mgpu", mgpu, dtype=jnp.float16, unit_scale=True))
     except Exception:  # noqa: BLE001 (optional peer; absent in older JAX)
       pass
   return out
 
 
-def relative_error(out, q, k, v, causal) -> float:
+def relative_error(out, q, k, v, causal, unit_scale=False) -> float:
   """‖out − ref‖/‖ref‖ against the fp32 reference on the same (rounded) inputs."""
   f32 = lambda x: x.astype(jnp.float32)
-  ref, _ = reference.attention_forward(f32(q), f32(k), f32(v), softmax_scale=1 / np.sqrt(q.shape[-1]),
+  scale = 1.0 if unit_scale else 1 / np.sqrt(q.shape[-1])
+  ref, _ = reference.attention_forward(f32(q), f32(k), f32(v), softmax_scale=scale,
                                        window_right=0 if causal else -1)
   diff = jnp.linalg.norm(f32(out) - ref)
   return float(diff / jnp.linalg.norm(ref))
