@@ -1,6 +1,7 @@
 // The consumer warpgroups: S = QK^T (wgmma SS), online softmax in registers, O += PV (wgmma RS),
-// then the epilogue. Both warpgroups work on the same 128-row tile, 64 rows each, and walk the
-// same K/V blocks (n_max - 1 down to n_min), so every barrier count below is per tile.
+// then the epilogue; intra-warpgroup overlap and ping-pong between the two warpgroups. Both
+// warpgroups work on the same 128-row tile, 64 rows each, and walk the same K/V blocks
+// (n_max - 1 down to n_min), so every barrier count below is per tile.
 #pragma once
 #include "flash_fwd/cute_config.h"
 #include <cute/tensor.hpp>
@@ -25,16 +26,46 @@ __device__ __forceinline__ void release_stage(uint64_t* empty_bar) {
 // P (fp32 probabilities in the S accumulator) -> Element A-operand registers of the PV wgmma.
 // For 16-bit types the accumulator order is the A-fragment order (see softmax.h), so this is an
 // element-wise conversion into a tensor with the A-fragment shape.
-template <class Traits, class FragS>
-__device__ __forceinline__ auto make_p_operand(FragS const& tSrS) {
-  using Element = typename Traits::Element;
-  Tensor tOrP = make_tensor<Element>(partition_shape_A(
-      typename Traits::TiledMmaPV{}, Shape<Int<Traits::kBlockM>, Int<Traits::kBlockN>>{}));
+template <class FragS, class FragP>
+__device__ __forceinline__ void convert_p(FragS const& tSrS, FragP& tOrP) {
+  using Element = typename FragP::value_type;
   static_assert(decltype(size(tOrP))::value == decltype(size(tSrS))::value);
 #pragma unroll
   for (int i = 0; i < size(tSrS); ++i) tOrP(i) = static_cast<Element>(tSrS(i));
-  return tOrP;
 }
+
+// Ping-pong between the two consumer warpgroups (named barriers, 256 threads each: 128 sync +
+// 128 arrive). A warpgroup issues its GEMMs only in its turn and hands the turn over right after
+// issuing, so the tensor cores run one warpgroup's GEMMs while the other does its softmax.
+// Protocol: warpgroup 1 pre-arrives on warpgroup 0's barrier (warpgroup 0 goes first); every turn
+// is sync(own) ... arrive(other); both warpgroups take the same number of turns per tile (one per
+// K/V block plus one), so the k-th sync of one pairs with the (k-1)-th arrive of the other, and
+// strict alternation means no barrier ever collects a second generation of arrivals. The one
+// arrive left over at the end is consumed by warpgroup 0 before exit.
+struct PingPong {
+  int wg;  // 0 or 1: consumer warpgroup index
+  // Barrier ids stay compile-time constants (a run-time id makes ptxas reserve all 16).
+  __device__ __forceinline__ void start() const {
+    if (wg == 1) named_barrier_arrive(kBarrierWarpGroup1, 256);
+  }
+  __device__ __forceinline__ void wait_turn() const {
+    if (wg == 0) {
+      named_barrier_sync(kBarrierWarpGroup1, 256);
+    } else {
+      named_barrier_sync(kBarrierWarpGroup2, 256);
+    }
+  }
+  __device__ __forceinline__ void pass_turn() const {
+    if (wg == 0) {
+      named_barrier_arrive(kBarrierWarpGroup2, 256);
+    } else {
+      named_barrier_arrive(kBarrierWarpGroup1, 256);
+    }
+  }
+  __device__ __forceinline__ void finish() const {
+    if (wg == 0) named_barrier_sync(kBarrierWarpGroup1, 256);
+  }
+};
 
 template <class Traits>
 __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
@@ -42,6 +73,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
+  static_assert(Traits::kNumConsumerWarpGroups == 2, "the ping-pong protocol pairs two warpgroups");
   const FlashFwdScalars& sc = p.s;
 
   typename Traits::TiledMmaQK mma_qk;
@@ -55,11 +87,16 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // smem descriptors (MMA, 1, K)
   Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, 1, K, stage)
   Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, 1, K, stage)
+  // P, the A operand of O += PV. Written only after the PV wgmma that read it has completed.
+  Tensor tOrP = make_tensor<typename Traits::Element>(
+      partition_shape_A(mma_pv, Shape<Int<kBlockM>, Int<kBlockN>>{}));
 
   const int thread_in_wg = thread_idx % 128;
   const FragCoord fc = FragCoord::of_thread(thread_in_wg);
   const int off = sc.s_k - sc.s_q;
   const bool use_softcap = sc.softcap > 0.f;
+  const PingPong pingpong{thread_idx / 128};
+  pingpong.start();
 
   PipelineState<Traits::kStages> kv;
   uint32_t q_phase = 0;
@@ -69,32 +106,68 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
                                          sc.window_left, sc.window_right);
     const int row_g = c.m_block * kBlockM + 64 * (thread_idx / 128) + fc.row0;
 
-    Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-    clear(tOrO);
-    OnlineSoftmax softmax;
-    softmax.reset();
-
-    mbar_wait(&ss.q_full, q_phase);
-    q_phase ^= 1;
-    for (int n_block = range.n_max - 1; n_block >= range.n_min; --n_block) {
-      Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      mbar_wait(&ss.k_full[kv.stage], kv.phase);
-      warpgroup_gemm</*zero_init=*/true, /*wait=*/0>(mma_qk, tSrQ, tSrK(_, _, _, kv.stage), tSrS);
-      release_stage(&ss.k_empty[kv.stage]);
-
+    // Raw scores -> capped, masked scores, in place.
+    auto finish_scores = [&](auto& tSrS, int n_block) {
       if (use_softcap) apply_softcap(tSrS, sc.softcap_pre, sc.softcap);
       if (block_needs_mask(c.m_block, n_block, kBlockM, kBlockN, sc.s_q, sc.s_k, sc.window_left,
                            sc.window_right)) {
         apply_mask(tSrS, row_g, n_block * kBlockN + fc.col0, sc.s_k, off, sc.window_left,
                    sc.window_right);
       }
-      float correction[2];
-      softmax.update(tSrS, sc.scale_log2, correction);
-      rescale_rows(tOrO, correction);
-      Tensor tOrP = make_p_operand<Traits>(tSrS);
+    };
 
+    Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    clear(tOrO);
+    OnlineSoftmax softmax;
+    softmax.reset();
+    float correction[2];
+
+    mbar_wait(&ss.q_full, q_phase);
+    q_phase ^= 1;
+    int n_block = range.n_max - 1;
+    if (n_block >= range.n_min) {
+      // First block: S only (O is still zero, nothing to rescale).
+      {
+        Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        mbar_wait(&ss.k_full[kv.stage], kv.phase);
+        pingpong.wait_turn();
+        warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, kv.stage), tSrS);
+        pingpong.pass_turn();
+        warpgroup_wait<0>();
+        release_stage(&ss.k_empty[kv.stage]);
+        finish_scores(tSrS, n_block);
+        softmax.update(tSrS, sc.scale_log2, correction);
+        convert_p(tSrS, tOrP);
+      }
+      // Steady state (intra-warpgroup overlap): issue S(n) = QK^T and O += P(n+1) V(n+1), then do
+      // the softmax of S(n) while the PV GEMM is still running; O is rescaled only after it.
+      for (--n_block; n_block >= range.n_min; --n_block) {
+        const PipelineState<Traits::kStages> prev = kv;
+        kv.advance();
+        Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        mbar_wait(&ss.k_full[kv.stage], kv.phase);
+        mbar_wait(&ss.v_full[prev.stage], prev.phase);
+        pingpong.wait_turn();
+        warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, kv.stage), tSrS);
+        warpgroup_gemm</*zero_init=*/false, /*wait=*/-1, /*a_regs=*/true>(
+            mma_pv, tOrP, tOrV(_, _, _, prev.stage), tOrO);
+        pingpong.pass_turn();
+        warpgroup_wait<1>();  // S(n) done (batches complete in order), PV may still run
+        release_stage(&ss.k_empty[kv.stage]);
+        finish_scores(tSrS, n_block);
+        softmax.update(tSrS, sc.scale_log2, correction);
+        warpgroup_wait<0>();  // PV done: P's registers and V's stage are free, O is final
+        release_stage(&ss.v_empty[prev.stage]);
+        rescale_rows(tOrO, correction);
+        convert_p(tSrS, tOrP);
+      }
+      // Last PV.
       mbar_wait(&ss.v_full[kv.stage], kv.phase);
-      warpgroup_gemm</*zero_init=*/false, /*wait=*/0, /*a_regs=*/true>(mma_pv, tOrP, tOrV(_, _, _, kv.stage), tOrO);
+      pingpong.wait_turn();
+      warpgroup_gemm</*zero_init=*/false, /*wait=*/-1, /*a_regs=*/true>(
+          mma_pv, tOrP, tOrV(_, _, _, kv.stage), tOrO);
+      pingpong.pass_turn();
+      warpgroup_wait<0>();
       release_stage(&ss.v_empty[kv.stage]);
       kv.advance();
     }
@@ -104,6 +177,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     rescale_rows(tOrO, inv_sum);
     store_tile<Traits>(p, ss, tOrO, lse, c, thread_idx);
   }
+  pingpong.finish();
 }
 
 }  // namespace jax_fa3::fwd

@@ -17,13 +17,14 @@ using namespace cute;
 // registers hold S (kBlockN/2 fp32), O (d/2 fp32) and P (kBlockN/4 32-bit) per thread below 240.
 //   d64 : 128x192 -> 16K + 2*2*24K  = 112 KB   S 96 + O 32 regs
 //   d96 : 128x144 -> 24K + 2*2*27K  = 132 KB   S 72 + O 48
-//   d128: 128x176 -> 32K + 2*2*44K  = 208 KB   S 88 + O 64   (FA3's non-causal choice)
+//   d128: 128x128 -> 32K + 2*2*32K  = 160 KB   S 64 + O 64   (FA3's 176 spilled ~230 B here
+//         with the overlapped mainloop: S 88 + P 44 + O 64 live at once)
 //   d192: 128x112 -> 48K + 2*2*42K  = 216 KB   S 56 + O 96
 //   d256: 128x80  -> 64K + 2*2*40K  = 224 KB   S 40 + O 128
 template <int kHeadDim> struct BlockN;
 template <> struct BlockN<64> { static constexpr int value = 192; };
 template <> struct BlockN<96> { static constexpr int value = 144; };
-template <> struct BlockN<128> { static constexpr int value = 176; };
+template <> struct BlockN<128> { static constexpr int value = 128; };
 template <> struct BlockN<192> { static constexpr int value = 112; };
 template <> struct BlockN<256> { static constexpr int value = 80; };
 

@@ -3,6 +3,7 @@
 #pragma once
 #include "flash_fwd/cute_config.h"
 #include <cmath>
+#include <cstdint>
 #include <cuda_runtime.h>
 #include <cute/tensor.hpp>
 
@@ -30,8 +31,11 @@ inline FlashFwdScalars make_scalars(const FlashFwdParams& p) {
   s.softcap_pre = p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f;
   // With softcap the scale is applied inside tanh; the capped score is in natural units.
   s.scale_log2 = p.softcap > 0.f ? kLog2e : p.softmax_scale * kLog2e;
-  s.window_left = p.window_left;
-  s.window_right = p.window_right;
+  // A bound of s_q + s_k or more reaches past every key: the same as unbounded, and clamping it
+  // keeps row + (s_k - s_q) +- window inside int32 in the masks.
+  const int64_t reach = int64_t(p.s_q) + p.s_k;
+  s.window_left = p.window_left >= reach ? -1 : p.window_left;
+  s.window_right = p.window_right >= reach ? -1 : p.window_right;
   s.lse = p.lse;
   return s;
 }
@@ -43,6 +47,13 @@ cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
   using Params = KernelParams<Traits>;
   if (p.b == 0 || p.s_q == 0 || p.h == 0) return cudaSuccess;
   if (p.d > kHeadDim || p.d % 8 != 0) return cudaErrorInvalidValue;
+  // TMA descriptors need 16-byte aligned base addresses (CuTe asserts otherwise); XLA's buffers are.
+  for (const void* ptr : {p.q, p.k, p.v, static_cast<const void*>(p.o)}) {
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0 && !(ptr == p.k && p.s_k == 0) &&
+        !(ptr == p.v && p.s_k == 0)) {
+      return cudaErrorMisalignedAddress;
+    }
+  }
 
   // TMA needs non-empty extents; with s_k == 0 no K/V block is ever loaded (every row is empty:
   // O = 0, LSE = +inf), so K/V descriptors over Q's memory with one row are never dereferenced.
@@ -53,6 +64,7 @@ cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
   const int s_k_desc = no_keys ? 1 : p.s_k;
   const int h_k_desc = no_keys ? 1 : p.h_k;
 
+  const FlashFwdScalars scalars = make_scalars(p);
   Params params{
       make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(q, p.s_q, p.d, p.h, p.b),
                     typename Traits::SmemLayoutQ{}, typename Params::TileQ{}, _1{}),
@@ -63,9 +75,9 @@ cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
       make_tma_copy(SM90_TMA_STORE{},
                     make_gmem_tensor(static_cast<Element*>(p.o), p.s_q, p.d, p.h, p.b),
                     typename Traits::SmemLayoutO{}, typename Params::TileQ{}, _1{}),
-      make_scalars(p),
+      scalars,
       TileScheduler(p.s_q, Traits::kBlockM, p.h, p.b,
-                    p.window_left >= 0 || p.window_right >= 0)};
+                    scalars.window_left >= 0 || scalars.window_right >= 0)};
 
   int device = 0;
   int num_sms = 0;

@@ -17,14 +17,14 @@ namespace jax_fa3::fwd {
 struct FragCoord {
   // Row (0..63 inside the warpgroup's 64 rows) of v1 = 0, and this thread's first column.
   int row0, col0;
-  __device__ __forceinline__ static FragCoord of_thread(int thread_in_wg) {
+  __host__ __device__ __forceinline__ static FragCoord of_thread(int thread_in_wg) {
     const int lane = thread_in_wg % 32;
     return {16 * (thread_in_wg / 32) + lane / 4, 2 * (lane % 4)};
   }
 };
 
-__device__ __forceinline__ int frag_row(int idx) { return (idx >> 1) & 1; }
-__device__ __forceinline__ int frag_col(int idx) { return 8 * (idx >> 2) + (idx & 1); }
+__host__ __device__ __forceinline__ int frag_row(int idx) { return (idx >> 1) & 1; }
+__host__ __device__ __forceinline__ int frag_col(int idx) { return 8 * (idx >> 2) + (idx & 1); }
 
 template <typename Frag>
 __device__ __forceinline__ void apply_softcap(Frag& s, float pre, float cap) {
