@@ -28,6 +28,16 @@ cudaError_t run_flash_bwd(const FlashBwdParams& p, cudaStream_t stream) {
     return cudaSuccess;
   }
 
+  // TMA descriptors need 16-byte aligned bases, and the 1-D bulk copies of LSE*log2e / D need
+  // 16-byte aligned sources (offsets inside the workspace are multiples of 256 bytes). XLA's
+  // buffers are aligned; refuse rather than risk a transfer that never completes its mbarrier.
+  for (const void* ptr : {p.q, p.k, p.v, p.dout, static_cast<const void*>(p.lse_log2),
+                          static_cast<const void*>(p.dpsum), static_cast<const void*>(p.dq_accum)}) {
+    if (ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % 16 != 0) {
+      return cudaErrorMisalignedAddress;
+    }
+  }
+
   const int s_q_pad = static_cast<int>(round_up(p.s_q, kBlockM));
   const int num_m_blocks = s_q_pad / kBlockM;
   const int num_n_blocks = (p.s_k + Traits::kBlockN - 1) / Traits::kBlockN;

@@ -38,8 +38,19 @@ struct BwdTraits {
   static constexpr int kNumMmaWarpGroups = 2;
   static constexpr int kNumMmaThreads = 128 * kNumMmaWarpGroups;
   static constexpr int kNumThreads = 128 + kNumMmaThreads;     // producer WG + consumer WGs
-  static constexpr int kProducerRegs = 32;                     // 32*128 + 240*256 = 65536
+  // setmaxnreg moves registers within the CTA's own pool, which is what the CTA got at launch:
+  // __launch_bounds__(384, 1) makes ptxas allocate 168 registers per thread (65536 / 384 rounded
+  // down to the allocation granule of 8), i.e. 168 * 384 = 64512, not 65536. setmaxnreg.inc
+  // blocks until the pool can satisfy it, so an over-subscribed split deadlocks at kernel entry
+  // (was 32 / 240: 32*128 + 240*256 = 65536 > 64512, the hang seen on the H200).
+  // 24*128 + 240*256 = 64512: exactly the pool (FA3's and the forward's split).
+  static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
+  static constexpr int kEntryRegs = 65536 / kNumThreads / 8 * 8;  // 168 for 384 threads
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kNumMmaThreads <= kEntryRegs * kNumThreads,
+                "setmaxnreg split over-subscribes the CTA register pool: setmaxnreg.inc would hang");
+  static_assert(kProducerRegs % 8 == 0 && kConsumerRegs % 8 == 0 && kProducerRegs >= 24 &&
+                kConsumerRegs <= 256, "setmaxnreg counts must be multiples of 8 in [24, 256]");
 
   // Work split between the two consumer warpgroups (wg = 0, 1):
   //  S, dP : all kBlockM rows x columns [wg*kNS, (wg+1)*kNS) of the key block.
