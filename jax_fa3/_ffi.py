@@ -13,13 +13,37 @@ _lock = threading.Lock()
 _registered = False
 
 
+def _installed_extension():
+  """The extension of the installed distribution, when `jax_fa3` was imported from a source
+  checkout (e.g. `python -m jax_fa3` in the clone after `pip install .`), else None."""
+  from importlib import metadata, util  # noqa: PLC0415
+  try:
+    files = metadata.distribution("jax_fa3").files or []
+  except metadata.PackageNotFoundError:
+    return None
+  for file in files:
+    if file.name.startswith("_jax_fa3_cuda.") and file.name.endswith(".so"):
+      path = file.locate()
+      spec = util.spec_from_file_location("jax_fa3._jax_fa3_cuda", path)
+      module = util.module_from_spec(spec)
+      spec.loader.exec_module(module)  # finds libjax_fa3_kernels.so beside it (RPATH $ORIGIN)
+      return module
+  return None
+
+
 @functools.lru_cache(maxsize=None)
 def _extension():
   """(module, None) or (None, reason)."""
   try:
     from jax_fa3 import _jax_fa3_cuda  # noqa: PLC0415 (optional compiled extension)
   except ImportError as e:
-    return None, f"the CUDA extension is not built ({e}); reinstall with nvcc >= 12.8 on PATH"
+    try:
+      module = _installed_extension()
+    except ImportError as e2:
+      return None, f"the installed CUDA extension does not load ({e2})"
+    if module is None:
+      return None, f"the CUDA extension is not built ({e}); reinstall with nvcc >= 12.8 on PATH"
+    return module, None
   return _jax_fa3_cuda, None
 
 

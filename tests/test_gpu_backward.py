@@ -51,15 +51,22 @@ def _check_backward(q, k, v, do, dtype, **kw):
   f32 = lambda x: x.astype(jnp.float32)
   out, lse = reference.attention_forward(f32(q), f32(k), f32(v), **cfg.kwargs())
   ref = reference.attention_backward(f32(q), f32(k), f32(v), out, lse, f32(do), **cfg.kwargs())
+  # With one visible key per row P = 1 and dq = dk = 0 exactly (dP = D), while the kernel's dP
+  # and D are one dot product summed in two orders: ~1e-6 of rounding left over. Relative to an
+  # exact 0 that is "infinite", so the norm of dv (same magnitude as the cancelling terms) floors
+  # the denominator: errors stay measured against the gradient's natural scale.
+  floor = 1e-3 * float(jnp.linalg.norm(ref[2].astype(jnp.float32)))
   for name, got, want in zip("qkv", (dq, dk, dv), ref):
     assert got.dtype == dtype
     assert bool(jnp.all(jnp.isfinite(got.astype(jnp.float32)))), f"d{name} not finite"
-    assert _rel(got, want) < TOL[dtype], (name, _rel(got, want))
+    err = float(jnp.linalg.norm(got.astype(jnp.float32) - want.astype(jnp.float32)))
+    scale = max(float(jnp.linalg.norm(want.astype(jnp.float32))), floor)
+    assert err / scale < TOL[dtype], (name, err / scale)
   return dq, dk, dv
 
 
 @pytest.mark.parametrize("s_q,s_k", [(1, 1), (63, 63), (65, 65), (1000, 1000), (128, 1000),
-                                     (1000, 128), (4097, 4097)])
+                                     (1000, 128), (4097, 4097), (1, 4097), (4097, 1)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_seqlens(s_q, s_k, causal):
   q, k, v, do = _inputs(s_q + 3 * s_k, 2, s_q, s_k, 4, 4, 128, jnp.bfloat16)
