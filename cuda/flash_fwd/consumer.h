@@ -39,7 +39,7 @@ __device__ __forceinline__ void convert_p(FragS const& tSrS, FragP& tOrP) {
 // issuing, so the tensor cores run one warpgroup's GEMMs while the other does its softmax.
 // Protocol: warpgroup 1 pre-arrives on warpgroup 0's barrier (warpgroup 0 goes first); every turn
 // is sync(own) ... arrive(other); both warpgroups take the same number of turns per tile (one per
-// K/V block plus one), so the k-th sync of one pairs with the (k-1)-th arrive of the other, and
+// K/V block plus one with the overlap, two per block without), so the k-th sync of one pairs with the (k-1)-th arrive of the other, and
 // strict alternation means no barrier ever collects a second generation of arrivals. The one
 // arrive left over at the end is consumed by warpgroup 0 before exit.
 struct PingPong {
@@ -125,7 +125,30 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     mbar_wait(&ss.q_full, q_phase);
     q_phase ^= 1;
     int n_block = range.n_max - 1;
-    if (n_block >= range.n_min) {
+    if constexpr (!Traits::kIntraWgOverlap) {
+      // Plain order, two turns per block: S = QK^T; softmax; O += PV.
+      for (; n_block >= range.n_min; --n_block) {
+        Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        mbar_wait(&ss.k_full[kv.stage], kv.phase);
+        pingpong.wait_turn();
+        warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, kv.stage), tSrS);
+        pingpong.pass_turn();
+        warpgroup_wait<0>();
+        release_stage(&ss.k_empty[kv.stage]);
+        finish_scores(tSrS, n_block);
+        softmax.update(tSrS, sc.scale_log2, correction);
+        rescale_rows(tOrO, correction);
+        convert_p(tSrS, tOrP);
+        mbar_wait(&ss.v_full[kv.stage], kv.phase);
+        pingpong.wait_turn();
+        warpgroup_gemm</*zero_init=*/false, /*wait=*/-1, /*a_regs=*/true>(
+            mma_pv, tOrP, tOrV(_, _, _, kv.stage), tOrO);
+        pingpong.pass_turn();
+        warpgroup_wait<0>();
+        release_stage(&ss.v_empty[kv.stage]);
+        kv.advance();
+      }
+    } else if (n_block >= range.n_min) {
       // First block: S only (O is still zero, nothing to rescale).
       {
         Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
