@@ -3,7 +3,6 @@
 tests/conftest.py sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts.
 """
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -12,22 +11,11 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_fa3
+from cpu_mesh import CPUS, make_mesh
 from jax_fa3 import ring, sharding
 
-CPUS = jax.devices("cpu")
 pytestmark = pytest.mark.skipif(len(CPUS) < 8, reason="needs 8 CPU devices (XLA_FLAGS="
                                 "--xla_force_host_platform_device_count=8 before JAX starts)")
-AXIS_TYPE = getattr(jax.sharding, "AxisType", None)
-
-
-def make_mesh(shape, names, kind="auto"):
-  if AXIS_TYPE is None:
-    if kind == "explicit":
-      pytest.skip("this JAX has no Explicit mesh axes")
-    return jax.make_mesh(shape, names, devices=CPUS[:math.prod(shape)])
-  axis_type = AXIS_TYPE.Explicit if kind == "explicit" else AXIS_TYPE.Auto
-  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names),
-                       devices=CPUS[:math.prod(shape)])
 
 
 def qkv(b=2, s=128, h=4, h_k=2, d=16, seed=0):

@@ -4,7 +4,6 @@ tests/conftest.py sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before
 meshes are built from CPU devices, so on a GPU machine these tests still run the reference path.
 """
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -13,27 +12,14 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_fa3
+from cpu_mesh import CPUS, make_mesh
 from jax_fa3 import sharding
 from jax_fa3._config import AttentionConfig
 
-CPUS = jax.devices("cpu")
 pytestmark = pytest.mark.skipif(len(CPUS) < 8, reason="needs 8 CPU devices (XLA_FLAGS="
                                 "--xla_force_host_platform_device_count=8 before JAX starts)")
-AXIS_TYPE = getattr(jax.sharding, "AxisType", None)
 MESH_KINDS = ["auto", "explicit"]
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
-
-
-def make_mesh(shape, names, kind):
-  if AXIS_TYPE is None:
-    if kind == "explicit":
-      pytest.skip("this JAX has no Explicit mesh axes")
-    return jax.make_mesh(shape, names, devices=CPUS[:math.prod(shape)])
-  if kind == "explicit" and not hasattr(jax, "typeof"):
-    pytest.skip("this JAX has no sharding in types")
-  axis_type = AXIS_TYPE.Explicit if kind == "explicit" else AXIS_TYPE.Auto
-  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names),
-                       devices=CPUS[:math.prod(shape)])
 
 
 def qkv(b=4, s=64, h=4, h_k=2, d=16, seed=0):
