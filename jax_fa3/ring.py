@@ -130,6 +130,15 @@ def _merge(out, lse, block_out, block_lse):
   return out, new
 
 
+def _ring_setup(q, k, cfg: AttentionConfig, axis_name, zigzag: bool):
+  """Checks a ring call; returns (ring size, this device's index, causal)."""
+  reason = ring_supported(cfg, q.shape[1], k.shape[1])
+  if reason:
+    raise NotImplementedError(reason)
+  _check_zigzag(zigzag, cfg.is_causal, q, k)
+  return _axis_size(axis_name), lax.axis_index(axis_name), cfg.is_causal
+
+
 def ring_forward(q, k, v, cfg: AttentionConfig, axis_name, zigzag: bool = True,
                  block_forward=None):
   """(out, lse) of attention of the local q block against the k/v blocks of the whole ring.
@@ -138,15 +147,9 @@ def ring_forward(q, k, v, cfg: AttentionConfig, axis_name, zigzag: bool = True,
   convention (+inf on rows that see no key). `block_forward(q, k, v, cfg) -> (out, lse)` runs one
   pair (default: the single-device op, kernel or reference).
   """
-  reason = ring_supported(cfg, q.shape[1], k.shape[1])
-  if reason:
-    raise NotImplementedError(reason)
+  n, index, causal = _ring_setup(q, k, cfg, axis_name, zigzag)
   if block_forward is None:
     block_forward = _local_ops()[0]
-  n = _axis_size(axis_name)
-  index = lax.axis_index(axis_name)
-  causal = cfg.is_causal
-  _check_zigzag(zigzag, causal, q, k)
   b, s_q, h, d = q.shape
   stat = _stat_dtype(q)
   half_q, half_k = s_q // 2, k.shape[1] // 2
@@ -205,15 +208,9 @@ def ring_backward(q, k, v, out, lse, dout, cfg: AttentionConfig, axis_name, zigz
   K/V blocks go round the ring once more, each with its dK/dV accumulator; the accumulator moves
   on after every step, so after step n-1 it is back on the device that owns the block.
   """
-  reason = ring_supported(cfg, q.shape[1], k.shape[1])
-  if reason:
-    raise NotImplementedError(reason)
+  n, index, causal = _ring_setup(q, k, cfg, axis_name, zigzag)
   if block_backward is None:
     block_backward = _local_ops()[1]
-  n = _axis_size(axis_name)
-  index = lax.axis_index(axis_name)
-  causal = cfg.is_causal
-  _check_zigzag(zigzag, causal, q, k)
   stat = _stat_dtype(q)
   half_q, half_k = q.shape[1] // 2, k.shape[1] // 2
   full = _full(cfg)
