@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -64,6 +65,27 @@ inline ffi::Error from_cuda(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string(what) + " failed: " + cudaGetErrorName(err) + ": " +
                               cudaGetErrorString(err));
+}
+
+// Test hook: with JAX_FA3_DEBUG_POISON_OUTPUTS=1 in the environment, handlers fill their outputs
+// with 0xFF bytes (NaN in bf16, fp16 and fp32) on the stream before the kernel runs, so an element
+// the kernel forgets to write shows up as NaN instead of whatever XLA's allocator left there.
+// Read per call (getenv is far cheaper than a launch) so a test can switch it on at run time.
+inline bool poison_outputs_requested() {
+  const char* v = std::getenv("JAX_FA3_DEBUG_POISON_OUTPUTS");
+  return v != nullptr && v[0] != '\0' && v[0] != '0';
+}
+
+// Poisons every given result buffer when the test hook is on; returns the first CUDA error.
+template <typename... Results>
+cudaError_t poison_if_requested(cudaStream_t stream, Results&... results) {
+  if (!poison_outputs_requested()) return cudaSuccess;
+  cudaError_t err = cudaSuccess;
+  auto fill = [&](void* data, size_t bytes) {
+    if (err == cudaSuccess && bytes > 0) err = cudaMemsetAsync(data, 0xFF, bytes, stream);
+  };
+  (fill(results->untyped_data(), results->size_bytes()), ...);
+  return err;
 }
 
 }  // namespace jax_fa3::ffi_util

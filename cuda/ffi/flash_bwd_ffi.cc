@@ -193,6 +193,9 @@ ffi::Error flash_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q,
     p.semaphores = deterministic ? reinterpret_cast<int*>(base + ws.semaphores) : nullptr;
   }
 
+  if (const cudaError_t err = ffi_util::poison_if_requested(stream, dq, dk, dv); err != cudaSuccess) {
+    return ffi_util::from_cuda(err, "flash_bwd output poisoning (JAX_FA3_DEBUG_POISON_OUTPUTS)");
+  }
   bool compiled = false;
   const cudaError_t err = dispatch(bucket, *dtype, p, stream, compiled);
   if (!compiled) {

@@ -99,6 +99,9 @@ ffi::Error flash_fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   params.softcap = softcap;
   params.window_left = window_left;
   params.window_right = window_right;
+  if (const cudaError_t err = ffi_util::poison_if_requested(stream, out, lse); err != cudaSuccess) {
+    return ffi_util::from_cuda(err, "flash_fwd output poisoning (JAX_FA3_DEBUG_POISON_OUTPUTS)");
+  }
   return ffi_util::from_cuda(launch_flash_fwd(params, stream), "flash_fwd kernel launch");
 }
 
