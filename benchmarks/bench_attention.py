@@ -38,12 +38,12 @@ def _flash_attn3_peer(causal):
   return _bench.Peer("fa3_kernels", lambda q, k, v: flash_mha(q, k, v, is_causal=causal))
 
 
-def run(head_dims, seqlens, directions, dtype, min_time):
+def run(head_dims, seqlens, directions, dtype, min_time, causal_modes=(False, True)):
   rows = []
   key = jax.random.PRNGKey(0)
   for d in head_dims:
     h = WIDTH // d
-    for causal in (False, True):
+    for causal in causal_modes:
       for s in seqlens:
         b = max(1, TOTAL_TOKENS // s)
         key, sub = jax.random.split(key)
@@ -126,6 +126,7 @@ def main():
   parser.add_argument("--head-dims", default="64,128,256")
   parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
   parser.add_argument("--directions", default="fwd,bwd")
+  parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--min-time", type=float, default=0.2)
   parser.add_argument("--json", default="bench_attention.json")
@@ -137,7 +138,8 @@ def main():
                 python=platform.python_version())
   print(json.dumps(header))
   rows = run([int(x) for x in args.head_dims.split(",")], [int(x) for x in args.seqlens.split(",")],
-             args.directions.split(","), jnp.dtype(args.dtype), args.min_time)
+             args.directions.split(","), jnp.dtype(args.dtype), args.min_time,
+             {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal])
   with open(args.json, "w") as f:
     json.dump(dict(header=header, rows=rows), f, indent=1)
   try:
