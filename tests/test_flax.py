@@ -329,3 +329,19 @@ def test_train_gpt_two_steps_data_parallel_compare(tmp_path):
   # Same init, same data: the two attentions give the same training curve.
   np.testing.assert_allclose(results[0]["losses"], results[1]["losses"], rtol=1e-4)
   assert plot.stat().st_size > 0
+
+
+@pytest.mark.parametrize("name,expected", [("quickstart", "attention_fn drop-in"),
+                                           ("gradcheck", "all gradient checks passed")])
+def test_example_runs_as_a_script(name, expected):
+  # A fresh interpreter, as a user runs it: no x64 or fake devices from this test session.
+  import os  # noqa: PLC0415
+  import subprocess  # noqa: PLC0415
+  import jax_fa3  # noqa: PLC0415
+  env = {**os.environ, "PYTHONPATH": str(pathlib.Path(jax_fa3.__file__).resolve().parent.parent)}
+  env.pop("XLA_FLAGS", None)
+  env.pop("JAX_ENABLE_X64", None)
+  result = subprocess.run([sys.executable, str(REPO / "examples" / f"{name}.py")], env=env,
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert expected in result.stdout
