@@ -1,14 +1,17 @@
 // The backward main kernel: one CTA per (K/V block, kv head, batch), looping over the query heads
 // of its kv head (GQA) and, for each, over the Q blocks that can see the K/V block.
 //
-// Warpgroup 0 (producer, 32 registers): thread 0 issues TMA loads of K and V once, then of Q and dO
-// (plus 1-D bulk copies of LSE*log2e and D) through a 2-stage mbarrier pipeline.
+// Warpgroup 0 (producer, 24 registers): thread 0 issues TMA loads of K and V once, then of Q and dO
+// (plus 1-D bulk copies of LSE*log2e and D) through a 2-stage mbarrier pipeline. Warp 1 is the
+// dQ writer (d <= 192): per Q block it bulk-reduces the consumers' dQ partial from shared memory
+// into the fp32 workspace, so the consumers never wait on global atomics.
 // Warpgroups 1, 2 (consumers, 240 registers), per Q block:
 //   S = Q K^T, dP = dO V^T (wgmma, smem x smem)         -> each WG: 64 rows x kNS keys
 //   P = exp2(S*scale*log2e - lse*log2e) (0 where masked), dS = P (dP - D) [x (1 - tanh^2)]
 //   P, dS -> shared memory (bf16/fp16), fence.proxy.async, named barrier
-//   dV += P^T dO, dK += dS^T Q (transposed smem views, MN-major), dQ = dS K (wgmma)
-//   dQ -> fp32 accumulator in global memory with red.global.add.v2.f32
+//   dQ = dS K, then dV += P^T dO, dK += dS^T Q (transposed smem views, MN-major), all wgmma;
+//   dQ is stored (shared memory for the writer warp, or red.global.add.v2.f32 at d = 256)
+//   while the dV/dK wgmmas still run.
 // dK (times softmax_scale) and dV leave registers once, at the end, with masked stores.
 #pragma once
 #include <cute/tensor.hpp>
@@ -59,6 +62,60 @@ __device__ __forceinline__ void wg_gemm(TiledMma& mma, TA const& a, TB const& b,
   warpgroup_commit_batch();
 }
 
+// Start of Q block m's dQ chunk (Traits::kDqChunkFloats floats) of query head qh in the workspace.
+template <typename Traits>
+__device__ __forceinline__ float* dq_chunk(KernelParams<Traits> const& p, int bidb, int qh, int m) {
+  return p.dq_accum +
+         ((int64_t(bidb) * p.h + qh) * p.num_m_blocks + m) * int64_t(Traits::kDqChunkFloats);
+}
+
+// The dQ writer warp: walks the same (query head, Q block) sequence as the consumers. For each
+// block it waits for the partial in sdq (kDqFull), lane 0 bulk-reduces it into the workspace and
+// waits until the bulk unit has read it, then hands sdq back (kDqEmpty). The first kDqEmpty is
+// given up front (sdq starts free) and the last one is never given, so arrivals and waits match
+// one for one. Deterministic mode: lane 0 first waits for its turn on the block's semaphore and
+// releases the next K block only once its adds are complete.
+template <typename Traits>
+__device__ __forceinline__ void dq_writer(KernelParams<Traits> const& p, const float* sdq, int group,
+                                          int m_begin, int m_end, int hk, int bidb, int n_block) {
+  constexpr uint32_t kThreads = Traits::kNumMmaThreads + 32;
+  constexpr uint32_t kBytes = Traits::kDqChunkFloats * sizeof(float);
+  const bool leader = threadIdx.x % 32 == 0;
+  named_barrier_arrive(NamedBarrier::kDqEmpty, kThreads);
+  const int n_iters = (m_end - m_begin) * group;
+  int it = 0;
+#pragma unroll 1
+  for (int g = 0; g < group; ++g) {
+    const int qh = hk * group + g;
+#pragma unroll 1
+    for (int m = m_begin; m < m_end; ++m, ++it) {
+      named_barrier_sync(NamedBarrier::kDqFull, kThreads);
+      if (leader) {
+        int* sem = nullptr;
+        if (p.deterministic) {
+          sem = p.semaphores + (int64_t(bidb) * p.h + qh) * p.num_m_blocks + m;
+          const int target = n_block - p.geom.n_first(m);
+          while (ld_acquire_gpu(sem) != target) {
+          }
+        }
+        bulk_reduce_add_s2g(dq_chunk(p, bidb, qh, m), sdq, kBytes);
+        bulk_commit();
+        if (p.deterministic) {
+          bulk_wait();  // the adds are done, not only the reads of sdq
+          asm volatile("fence.proxy.async.global;" ::: "memory");
+          __threadfence();
+          atomicAdd(sem, 1);
+        } else {
+          bulk_wait_read();
+        }
+      }
+      __syncwarp();
+      if (it + 1 < n_iters) named_barrier_arrive(NamedBarrier::kDqEmpty, kThreads);
+    }
+  }
+  if (leader) bulk_wait();
+}
+
 template <typename Element>
 __device__ __forceinline__ uint32_t pack2(float x, float y) {
   const Element a(x), b(y);
@@ -81,10 +138,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
 
-  extern __shared__ char smem_raw[];
-  char* smem_aligned = reinterpret_cast<char*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_aligned);
+  // Used as declared, not realigned at run time: rounding the address through an integer hid
+  // that it is shared memory, and the P/dS stores became 64-bit generic stores (ST.E) whose
+  // address arithmetic spilled at d = 96. The forward relies on the same 1024-byte alignment.
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
   const int n_block = blockIdx.x;
   const int hk = blockIdx.y;
@@ -109,7 +167,14 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   if (warp_group == 0) {
     // ---------------------------------------------------------------- producer
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (threadIdx.x != 0 || n_iters == 0) return;
+    if (n_iters == 0) return;
+    if constexpr (Traits::kDqViaSmem) {
+      if (threadIdx.x / 32 == 1) {
+        dq_writer<Traits>(p, ss.dq, group, m_begin, m_end, hk, bidb, n_block);
+        return;
+      }
+    }
+    if (threadIdx.x != 0) return;
     cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
@@ -135,12 +200,16 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q);
     Tensor mdO = p.tma_do.get_tma_tensor(p.shape_q);
     int it = 0;
+    // Not unrolled: the producer lives on 24 registers (setmaxnreg), and unrolled copies of this
+    // loop spilled.
+#pragma unroll 1
     for (int g = 0; g < group; ++g) {
       const int qh = hk * group + g;
       auto tile = Shape<Int<kBlockM>, Int<kHeadDim>>{};
       Tensor gQ = local_tile(mQ(_, _, qh, bidb), tile, make_coord(_, _0{}));   // (M, D, m)
       Tensor gdO = local_tile(mdO(_, _, qh, bidb), tile, make_coord(_, _0{}));
       const int64_t row_base = (int64_t(bidb) * p.h + qh) * p.s_q_pad;
+#pragma unroll 1
       for (int m = m_begin; m < m_end; ++m, ++it) {
         const int stage = it % kStages;
         const int use = it / kStages;
@@ -201,11 +270,16 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       local_tile(sPt, Shape<_64, Int<kBlockM>>{}, make_coord(wn, _0{})));
   Tensor tdKrdSt = thr_dkv.partition_fragment_A(
       local_tile(sdSt, Shape<_64, Int<kBlockM>>{}, make_coord(wn, _0{})));
-  // Where this thread writes its S/dP fragment into the (kBlockM, kBlockN) P / dS tiles.
-  Tensor tPsP = thr_sdp.partition_C(
-      local_tile(sP, Shape<Int<kBlockM>, Int<kNS>>{}, make_coord(_0{}, wg)));
-  Tensor tPsdS = thr_sdp.partition_C(
-      local_tile(sdS, Shape<Int<kBlockM>, Int<kNS>>{}, make_coord(_0{}, wg)));
+  // Where this thread writes its S/dP fragment into the (kBlockM, kBlockN) P / dS tiles, as
+  // swizzled byte offsets from a 1024-aligned tile base: the same partition of the same layout
+  // over a null base. Writing through CuTe's swizzled smem pointers instead compiled to 16-bit
+  // generic stores (ST.E.U16) with 64-bit address arithmetic; these are 32-bit st.shared of
+  // element pairs (a pair is adjacent: even column, one 16-byte swizzle chunk).
+  Tensor tPoff = thr_sdp.partition_C(local_tile(
+      make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), typename Traits::SmemLayoutPdS{}),
+      Shape<Int<kBlockM>, Int<kNS>>{}, make_coord(_0{}, wg)));
+  const uint32_t p_smem = cute::cast_smem_ptr_to_uint(ss.p);
+  const uint32_t ds_smem = cute::cast_smem_ptr_to_uint(ss.ds);
 
   Tensor tSrS = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kNS>>{});
   Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kNS>>{});
@@ -217,7 +291,6 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
   // (row, col) of every accumulator element, tile-local.
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kNS>>{}));
-  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDQ>>{}));
   Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<_64, Int<kDKV>>{}));
 
   const int off = p.s_k - p.s_q;
@@ -230,7 +303,6 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   int it = 0;
   for (int g = 0; g < group; ++g) {
     const int qh = hk * group + g;
-    float* dq_accum = p.dq_accum + (int64_t(bidb) * p.h + qh) * int64_t(p.s_q) * p.d;
     for (int m = m_begin; m < m_end; ++m, ++it) {
       const int stage = it % kStages;
       Barrier::wait(&ss.bar_full[stage], (it / kStages) & 1);
@@ -247,47 +319,60 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       // S = Q K^T and dP = dO V^T for this warpgroup's kNS keys.
       wg_gemm<true>(mma_sdp, thr_sdp.partition_fragment_A(sQ), tSrK, tSrS);
       wg_gemm<true>(mma_sdp, thr_sdp.partition_fragment_A(sdO), tSrV, tSrdP);
-      warpgroup_wait<0>();
+      // P = exp2(S * scale * log2e - lse * log2e) while the dP wgmma still runs (0 where masked:
+      // a select, so no inf/NaN reaches the GEMMs). With softcap, P and dS both need
+      // t = tanh(S * scale / cap): all of it waits for dP then (t would cost 32 more registers).
+      warpgroup_wait<1>();
       warpgroup_fence_operand(tSrS);
-      warpgroup_fence_operand(tSrdP);
-
-      // P and dS in registers (S -> P, dP -> dS in place).
       const float* lse_s = ss.lse_log2[stage];
       const float* dpsum_s = ss.dpsum[stage];
       const int row_base = m * kBlockM;
+      auto visible = [&](int i) {
+        const int gi = row_base + get<0>(tScS(i));
+        const int gj = col_base + get<1>(tScS(i));
+        return gi < p.s_q && gj < p.s_k && (wl < 0 || gj >= gi + off - wl) &&
+               (wr < 0 || gj <= gi + off + wr);
+      };
+      if (!p.has_softcap) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) {
+          const float pv = exp2f(tSrS(i) * p.score_log2 - lse_s[get<0>(tScS(i))]);
+          tSrS(i) = visible(i) ? pv : 0.f;
+        }
+      }
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrdP);
+
+      // dS = P (dP - D) [x (1 - t^2)], in place of dP.
       CUTE_UNROLL
       for (int i = 0; i < size(tSrS); ++i) {
         const int r = get<0>(tScS(i));
-        const int gi = row_base + r;
-        const int gj = col_base + get<1>(tScS(i));
-        const bool visible = gi < p.s_q && gj < p.s_k && (wl < 0 || gj >= gi + off - wl) &&
-                             (wr < 0 || gj <= gi + off + wr);
-        const float lse = lse_s[r];
         const float dd = dpsum_s[r];
-        float pv, dsv;
         if (p.has_softcap) {
           const float t = tanh_fast(tSrS(i) * p.tanh_in_scale);
-          pv = exp2f(t * p.score_log2 - lse);
-          dsv = pv * (tSrdP(i) - dd) * (1.f - t * t);
+          const float pv = exp2f(t * p.score_log2 - lse_s[r]);
+          const bool vis = visible(i);
+          tSrS(i) = vis ? pv : 0.f;
+          tSrdP(i) = vis ? pv * (tSrdP(i) - dd) * (1.f - t * t) : 0.f;
         } else {
-          pv = exp2f(tSrS(i) * p.score_log2 - lse);
-          dsv = pv * (tSrdP(i) - dd);
+          tSrdP(i) = tSrS(i) * (tSrdP(i) - dd);  // P is already 0 where masked
         }
-        tSrS(i) = visible ? pv : 0.f;
-        tSrdP(i) = visible ? dsv : 0.f;
       }
 
       // Both warpgroups' wgmmas of the previous block have finished reading P and dS.
       if (it > 0) named_barrier_sync(NamedBarrier::kPdSFree, kMma);
       CUTE_UNROLL
-      for (int i = 0; i < size(tSrS); ++i) {
-        tPsP(i) = Element(tSrS(i));
-        tPsdS(i) = Element(tSrdP(i));
+      for (int i = 0; i < size(tSrS); i += 2) {
+        const uint32_t off =
+            static_cast<uint32_t>(reinterpret_cast<uintptr_t>(raw_pointer_cast(&tPoff(i))));
+        st_shared_b32(p_smem + off, pack2<Element>(tSrS(i), tSrS(i + 1)));
+        st_shared_b32(ds_smem + off, pack2<Element>(tSrdP(i), tSrdP(i + 1)));
       }
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma (async proxy)
       named_barrier_sync(NamedBarrier::kPdSReady, kMma);
 
-      // dV += P^T dO, dK += dS^T Q, dQ = dS K.
+      // dQ = dS K first: its partial is stored while dV += P^T dO and dK += dS^T Q still run.
+      wg_gemm<true>(mma_dq, tdQrdS, tdQrKt, tdQrdQ);
       wg_gemm<false>(mma_dkv, tdVrPt,
                      thr_dkv.partition_fragment_B(local_tile(
                          sdOt, Shape<Int<kDKV>, Int<kBlockM>>{}, make_coord(wd, _0{}))),
@@ -296,40 +381,54 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
                      thr_dkv.partition_fragment_B(local_tile(
                          sQt, Shape<Int<kDKV>, Int<kBlockM>>{}, make_coord(wd, _0{}))),
                      tdKrdK);
-      wg_gemm<true>(mma_dq, tdQrdS, tdQrKt, tdQrdQ);
+      warpgroup_wait<2>();  // the dQ group is done; the dV and dK groups may still run
+      warpgroup_fence_operand(tdQrdQ);
+
+      // Fragment order (see Traits::kDqWgFloats): this thread's pairs are 256 floats apart.
+      constexpr int kPairStride = 128;  // in float2
+      if constexpr (Traits::kDqViaSmem) {
+        // The writer warp adds the chunk to global memory (and orders the deterministic mode).
+        named_barrier_sync(NamedBarrier::kDqEmpty, kMma + 32);
+        // 32-bit shared-window address: a generic 64-bit pointer here cost a register spill.
+        const uint32_t sdq = cute::cast_smem_ptr_to_uint(ss.dq + wg * Traits::kDqWgFloats) + tid * 8;
+        CUTE_UNROLL
+        for (int i = 0; i < size(tdQrdQ); i += 2) {
+          st_shared_f32x2(sdq + (i / 2) * kPairStride * 8, tdQrdQ(i), tdQrdQ(i + 1));
+        }
+        cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> bulk reduce
+        named_barrier_arrive(NamedBarrier::kDqFull, kMma + 32);
+      } else {
+        // d = 256: add from registers. Padded rows and columns hold exact zeros (dS is 0 past
+        // s_q, K is zero-filled past d), so the whole chunk is added without masks.
+        int* sem = nullptr;
+        if (p.deterministic) {  // K blocks add in increasing order
+          sem = p.semaphores + (int64_t(bidb) * p.h + qh) * p.num_m_blocks + m;
+          if (ctid == 0) {
+            const int target = n_block - p.geom.n_first(m);
+            while (ld_acquire_gpu(sem) != target) {
+            }
+          }
+          named_barrier_sync(NamedBarrier::kDeterministic, kMma);
+        }
+        float2* gdq = reinterpret_cast<float2*>(
+            dq_chunk(p, bidb, qh, m) + wg * Traits::kDqWgFloats) + tid;
+        CUTE_UNROLL
+        for (int i = 0; i < size(tdQrdQ); i += 2) {
+          atomicAdd(gdq + (i / 2) * kPairStride, make_float2(tdQrdQ(i), tdQrdQ(i + 1)));
+        }
+        if (p.deterministic) {
+          named_barrier_sync(NamedBarrier::kDeterministic, kMma);
+          if (ctid == 0) {
+            __threadfence();
+            atomicAdd(sem, 1);
+          }
+        }
+      }
+
       warpgroup_wait<0>();
       warpgroup_fence_operand(tdVrdV);
       warpgroup_fence_operand(tdKrdK);
-      warpgroup_fence_operand(tdQrdQ);
       Barrier::arrive(&ss.bar_empty[stage]);  // Q, dO, LSE, D of this stage are no longer read
-
-      // dQ partial -> fp32 accumulator. Deterministic: K blocks add in increasing order.
-      int* sem = nullptr;
-      if (p.deterministic) {
-        sem = p.semaphores + (int64_t(bidb) * p.h + qh) * p.num_m_blocks + m;
-        if (ctid == 0) {
-          const int target = n_block - p.geom.n_first(m);
-          while (ld_acquire_gpu(sem) != target) {
-          }
-        }
-        named_barrier_sync(NamedBarrier::kDeterministic, kMma);
-      }
-      CUTE_UNROLL
-      for (int i = 0; i < size(tdQrdQ); i += 2) {
-        const int gi = row_base + get<0>(tdQcdQ(i));
-        const int gc = wg * kDQ + get<1>(tdQcdQ(i));
-        if (gi < p.s_q && gc < p.d) {
-          atomicAdd(reinterpret_cast<float2*>(dq_accum + int64_t(gi) * p.d + gc),
-                    make_float2(tdQrdQ(i), tdQrdQ(i + 1)));
-        }
-      }
-      if (p.deterministic) {
-        named_barrier_sync(NamedBarrier::kDeterministic, kMma);
-        if (ctid == 0) {
-          __threadfence();
-          atomicAdd(sem, 1);
-        }
-      }
     }
   }
 

@@ -41,11 +41,13 @@ cudaError_t run_flash_bwd(const FlashBwdParams& p, cudaStream_t stream) {
   const int s_q_pad = static_cast<int>(round_up(p.s_q, kBlockM));
   const int num_m_blocks = s_q_pad / kBlockM;
   const int num_n_blocks = (p.s_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  if (num_n_blocks > 0x7fffffff || p.h_k > 65535 || p.b > 65535) return cudaErrorInvalidValue;
+  // Grid limits: main kernel (n blocks, h_k, b), postprocess (m blocks, h, b).
+  if (p.h > 65535 || p.b > 65535) return cudaErrorInvalidValue;
 
   // 1. Zero the fp32 dQ accumulator (and the semaphores), then D and LSE*log2(e).
   JAX_FA3_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
-      p.dq_accum, 0, sizeof(float) * size_t(p.b) * p.h * p.s_q * p.d, stream));
+      p.dq_accum, 0, sizeof(float) * size_t(p.b) * p.h * num_m_blocks * Traits::kDqChunkFloats,
+      stream));
   if (p.deterministic) {
     JAX_FA3_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
         p.semaphores, 0, sizeof(int) * size_t(p.b) * p.h * num_m_blocks, stream));
@@ -113,13 +115,12 @@ cudaError_t run_flash_bwd(const FlashBwdParams& p, cudaStream_t stream) {
   JAX_FA3_RETURN_IF_LAUNCH_ERROR();
 
   // 3. dq = dq_accum * softmax_scale in the input dtype.
-  {
-    const int64_t items = int64_t(p.b) * p.s_q * p.h * (p.d / 4);
-    const int64_t blocks = std::min<int64_t>((items + 255) / 256, 132 * 16);
-    flash_bwd_postprocess_kernel<Element><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
-        p.dq_accum, static_cast<Element*>(p.dq), p.b, p.s_q, p.h, p.d, p.softmax_scale);
-    JAX_FA3_RETURN_IF_LAUNCH_ERROR();
-  }
+  flash_bwd_postprocess_kernel<Traits>
+      <<<dim3(static_cast<unsigned>(num_m_blocks), static_cast<unsigned>(p.h),
+              static_cast<unsigned>(p.b)),
+         Traits::kNumMmaThreads, 0, stream>>>(p.dq_accum, static_cast<Element*>(p.dq), p.s_q, p.h,
+                                               p.d, num_m_blocks, p.softmax_scale);
+  JAX_FA3_RETURN_IF_LAUNCH_ERROR();
   return cudaSuccess;
 }
 

@@ -27,7 +27,7 @@ struct FlashBwdParams {
   void* dk;
   void* dv;
   // Workspace (see workspace_layout): all carved from one scratch allocation.
-  float* dq_accum;    // (b, h, s_q, d) fp32, zeroed per call
+  float* dq_accum;    // (b, h, ceil(s_q / kBlockM), kBlockM * bucket) fp32 chunks, zeroed per call
   float* lse_log2;    // (b, h, s_q_pad) fp32: lse * log2(e); +inf for padded rows
   float* dpsum;       // (b, h, s_q_pad) fp32: D = rowsum(dO * O); 0 for padded rows
   int* semaphores;    // (b, h, ceil(s_q / kBlockM)) int32, zeroed; deterministic mode only
@@ -47,13 +47,26 @@ struct WorkspaceLayout {
   size_t dq_accum, lse_log2, dpsum, semaphores, total;
 };
 
+// Head-dim bucket (64, 96, 128, 192, 256) that runs head dim d, or 0 if none.
+inline int head_dim_bucket(int d) {
+  if (d <= 0 || d % 8 != 0) return 0;
+  for (int bucket : {64, 96, 128, 192, 256}) {
+    if (d <= bucket) return bucket;
+  }
+  return 0;
+}
+
+// dQ is accumulated per Q block in chunks of kBlockM rows x the head-dim bucket (padded rows and
+// columns included: the main kernel adds whole chunks; see BwdTraits::kDqWgFloats).
 inline WorkspaceLayout workspace_layout(int64_t b, int64_t h, int64_t s_q, int64_t d,
                                         bool deterministic) {
   const int64_t s_q_pad = round_up(s_q, kBlockM);
+  const int bucket = head_dim_bucket(static_cast<int>(d));
+  const int64_t d_pad = bucket > 0 ? bucket : d;
   WorkspaceLayout w{};
   size_t off = 0;
   w.dq_accum = off;
-  off += round_up(4 * b * h * s_q * d, 256);
+  off += round_up(4 * b * h * s_q_pad * d_pad, 256);
   w.lse_log2 = off;
   off += round_up(4 * b * h * s_q_pad, 256);
   w.dpsum = off;
@@ -62,15 +75,6 @@ inline WorkspaceLayout workspace_layout(int64_t b, int64_t h, int64_t s_q, int64
   if (deterministic) off += round_up(4 * b * h * (s_q_pad / kBlockM), 256);
   w.total = off;
   return w;
-}
-
-// Head-dim bucket (64, 96, 128, 192, 256) that runs head dim d, or 0 if none.
-inline int head_dim_bucket(int d) {
-  if (d <= 0 || d % 8 != 0) return 0;
-  for (int bucket : {64, 96, 128, 192, 256}) {
-    if (d <= bucket) return bucket;
-  }
-  return 0;
 }
 
 // One per compiled (bucket, dtype); defined in cuda/instantiations/flash_bwd_hdim<D>_<dtype>.cu.

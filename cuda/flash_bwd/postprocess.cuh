@@ -1,33 +1,50 @@
-// Backward postprocess: dq = dq_accum * softmax_scale converted to the input dtype. dq_accum is
-// (b, h, s_q, d) fp32, dq is (b, s_q, h, d). Four elements per thread (d is a multiple of 8).
+// Backward postprocess: dq = dq_accum * softmax_scale in the input dtype. dq_accum holds, per
+// (batch, head, Q block), one chunk in the main kernel's fragment order (Traits::kDqWgFloats);
+// this kernel undoes it with the same TiledMMA partition the consumers used, so the two cannot
+// disagree. One CTA of 256 threads per chunk: thread (wg, t) reads the pairs accumulator thread t
+// of consumer warpgroup wg held (coalesced: a warp reads 256 contiguous bytes per pair index) and
+// writes them to dq (b, s_q, h, d), skipping padded rows and columns.
 #pragma once
 #include <cstdint>
 
-#include <cutlass/numeric_types.h>
+#include <cute/tensor.hpp>
+
+#include "flash_bwd/traits.cuh"
 
 namespace jax_fa3::flash_bwd {
 
-template <typename Element>
-__global__ void __launch_bounds__(256)
-    flash_bwd_postprocess_kernel(const float* __restrict__ dq_accum, Element* __restrict__ dq,
-                                 int b, int s_q, int h, int d, float scale) {
-  const int d4 = d / 4;
-  const int64_t total = int64_t(b) * s_q * h * d4;
-  for (int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
-       idx += int64_t(gridDim.x) * blockDim.x) {
-    const int c = static_cast<int>(idx % d4) * 4;
-    int64_t rest = idx / d4;  // (b, s_q, h) flattened
-    const int hh = static_cast<int>(rest % h);
-    rest /= h;
-    const int i = static_cast<int>(rest % s_q);
-    const int64_t bb = rest / s_q;
-    const float4 v =
-        *reinterpret_cast<const float4*>(dq_accum + ((bb * h + hh) * s_q + i) * d + c);
-    const Element e0(v.x * scale), e1(v.y * scale), e2(v.z * scale), e3(v.w * scale);
-    uint2 packed;
-    packed.x = uint32_t(e0.raw()) | (uint32_t(e1.raw()) << 16);
-    packed.y = uint32_t(e2.raw()) | (uint32_t(e3.raw()) << 16);
-    *reinterpret_cast<uint2*>(dq + idx * 4) = packed;
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNumMmaThreads)
+    flash_bwd_postprocess_kernel(const float* __restrict__ dq_accum,
+                                 typename Traits::Element* __restrict__ dq, int s_q, int h, int d,
+                                 int num_m_blocks, float scale) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kDQ = Traits::kDQ;
+  const int m = blockIdx.x;
+  const int head = blockIdx.y;
+  const int batch = blockIdx.z;
+  const int wg = threadIdx.x / 128;
+  const int tid = threadIdx.x % 128;
+
+  typename Traits::MmadQ mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+  Tensor coord = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDQ>>{}));
+
+  const float2* chunk = reinterpret_cast<const float2*>(
+      dq_accum + ((int64_t(batch) * h + head) * num_m_blocks + m) * int64_t(Traits::kDqChunkFloats) +
+      wg * Traits::kDqWgFloats) + tid;
+  CUTE_UNROLL
+  for (int i = 0; i < size(coord); i += 2) {
+    const int row = m * kBlockM + get<0>(coord(i));
+    const int col = wg * kDQ + get<1>(coord(i));  // even; d is a multiple of 8
+    if (row < s_q && col < d) {
+      const float2 v = chunk[(i / 2) * 128];
+      const Element lo(v.x * scale), hi(v.y * scale);
+      *reinterpret_cast<uint32_t*>(dq + ((int64_t(batch) * s_q + row) * h + head) * d + col) =
+          uint32_t(lo.raw()) | (uint32_t(hi.raw()) << 16);
+    }
   }
 }
 

@@ -12,10 +12,18 @@ enum class NamedBarrier : uint32_t {
   kPdSReady = 1,   // both warpgroups wrote their half of P and dS (after fence.proxy.async)
   kPdSFree = 2,    // both warpgroups' wgmmas that read P and dS of the previous block finished
   kDeterministic = 3,  // dQ semaphore acquired / all dQ atomics of this block issued
+  // dQ through shared memory (consumers + the dQ-writer warp, kMma + 32 threads):
+  kDqFull = 4,     // consumers wrote this block's dQ partial into sdq (after fence.proxy.async)
+  kDqEmpty = 5,    // the writer's bulk reduce finished reading sdq: it may be overwritten
 };
 
 __device__ __forceinline__ void named_barrier_sync(NamedBarrier id, uint32_t num_threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(static_cast<uint32_t>(id)), "r"(num_threads) : "memory");
+}
+
+// Signals a named barrier without waiting (producer side of a producer/consumer pair).
+__device__ __forceinline__ void named_barrier_arrive(NamedBarrier id, uint32_t num_threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(static_cast<uint32_t>(id)), "r"(num_threads) : "memory");
 }
 
 // 1-D bulk copy global -> shared completing `bytes` of transaction on `bar` (16-byte aligned,
@@ -29,6 +37,32 @@ __device__ __forceinline__ void bulk_copy_g2s(void* smem_dst, const void* gmem_s
       "l"(gmem_src), "r"(bytes), "r"(mbar)
       : "memory");
 }
+
+__device__ __forceinline__ void st_shared_b32(uint32_t smem_addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void st_shared_f32x2(uint32_t smem_addr, float x, float y) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(smem_addr), "f"(x), "f"(y) : "memory");
+}
+
+// gmem[i] += smem[i] for `bytes / 4` floats, issued by one thread as one asynchronous bulk
+// operation (TMA unit). Each element's add is atomic, so CTAs may reduce into the same block
+// concurrently. 16-byte aligned addresses, bytes a multiple of 16. Completion: bulk_commit +
+// bulk_wait_read (smem may be reused) or bulk_wait (writes done).
+__device__ __forceinline__ void bulk_reduce_add_s2g(float* gmem_dst, const float* smem_src,
+                                                    uint32_t bytes) {
+  const uint32_t src = cute::cast_smem_ptr_to_uint(smem_src);
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(
+                   gmem_dst),
+               "r"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 
 // tanh(x) = 1 - 2 / (exp(2x) + 1) with ex2.approx (rel. error ~2^-22) and a fast divide: absolute
 // error ~1e-7, so softcap * tanh stays accurate for large caps (tanh.approx.f32 is only ~2^-11).

@@ -108,6 +108,17 @@ struct BwdTraits {
       static_cast<Element const*>(nullptr), ShapeSDHB{}, StrideSDHB{}, SmemLayoutKV{},
       cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
 
+  // dQ partials leave the CTA in "fragment order": per Q block a chunk of kBlockM * kHeadDim
+  // floats, warpgroup wg's 64 x kDQ part at wg * kDqWgFloats, inside it the float pair (i, i+1) of
+  // accumulator thread t at (i / 2) * 256 + 2 t. A warp then stores 256 contiguous bytes (no bank
+  // conflicts) and the chunk is contiguous, so one bulk reduce adds it to the workspace; the
+  // postprocess maps fragments back to (row, column) with the same TiledMMA.
+  static constexpr int kDqWgFloats = kBlockM * kDQ;
+  static constexpr int kDqChunkFloats = kBlockM * kHeadDim;
+  // Through shared memory + a TMA bulk reduce issued by a dedicated warp when the chunk fits
+  // (d <= 192: +16..48 KB); d = 256 (208 KB without it) adds from registers with red.global.v2.
+  static constexpr bool kDqViaSmem = kHeadDim <= 192;
+
   static constexpr int kSizeQ = cute::cosize_v<SmemLayoutQ>;     // elements per stage
   static constexpr int kSizeKV = cute::cosize_v<SmemLayoutKV>;
   static constexpr int kSizePdS = cute::cosize_v<SmemLayoutPdS>;
@@ -122,6 +133,7 @@ struct BwdTraits {
     alignas(1024) Element dout[kStages * kSizeQ];
     alignas(1024) Element p[kSizePdS];
     alignas(1024) Element ds[kSizePdS];
+    alignas(128) float dq[kDqViaSmem ? kDqChunkFloats : 4];  // one Q block's dQ partial
     alignas(16) float lse_log2[kStages][kBlockM];
     alignas(16) float dpsum[kStages][kBlockM];
     alignas(8) uint64_t bar_kv;              // K and V landed (tx barrier, 1 arrival)
