@@ -143,3 +143,18 @@ def test_backend_is_reported():
   assert isinstance(jax_fa3.kernels_available(), bool)
   if not jax_fa3.kernels_available():
     assert jax_fa3.kernels_unavailable_reason()
+
+
+@pytest.mark.parametrize("b,h,s_q,d,deterministic,expected", [
+    # dq chunks 4·b·h·s_q_pad·bucket + LSE·log2e and D 2·r256(4·b·h·s_q_pad) [+ semaphores]
+    (1, 16, 16384, 128, False, 4 * 16 * 16384 * 128 + 2 * 4 * 16 * 16384),
+    (2, 3, 65, 40, False, 4 * 2 * 3 * 128 * 64 + 2 * 3072),       # s_q_pad 128, bucket 64
+    (2, 3, 65, 40, True, 4 * 2 * 3 * 128 * 64 + 2 * 3072 + 256),  # 12 semaphores -> 256 B
+])
+def test_backward_workspace_formula(b, h, s_q, d, deterministic, expected):
+  # The size lives in C++ only (cuda/flash_bwd/params.h); this pins it to the documented
+  # formula (cuda/flash_bwd/README.md) wherever the extension is built, GPU or not.
+  from jax_fa3 import _ffi  # noqa: PLC0415
+  if _ffi._extension()[0] is None:
+    pytest.skip(f"CUDA extension not built: {_ffi._extension()[1]}")
+  assert _ffi.flash_bwd_workspace_bytes(b, h, s_q, d, deterministic) == expected

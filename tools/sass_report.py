@@ -11,7 +11,8 @@ import subprocess
 import sys
 
 COUNTED = {"HGMMA": r"\bHGMMA\b", "QGMMA": r"\bQGMMA\b", "UTMALDG": r"\bUTMALDG\b",
-           "UTMASTG": r"\bUTMASTG\b", "UTMAREDG": r"\bUTMAREDG\b", "USETMAXREG": r"\bUSETMAXREG\b",
+           "UTMASTG": r"\bUTMASTG\b", "UTMAREDG": r"\bUTMAREDG\b", "UBLKRED": r"\bUBLKRED\b",
+           "USETMAXREG": r"\bUSETMAXREG\b",
            "LDL": r"\bLDL\b", "STL": r"\bSTL\b"}
 
 
