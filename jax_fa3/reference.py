@@ -38,6 +38,11 @@ def _filled(shape, value, dtype, like):
     out = jnp.full(shape, value, dtype)
     for x in like:
         out = out + jnp.zeros_like(x, dtype=dtype, shape=())
+    # JAX 0.6's zeros_like(shape=()) does not carry the varying axes: add what is still missing.
+    vma = lambda a: frozenset(getattr(jax.typeof(a), "vma", ()) or ())
+    missing = frozenset().union(*(vma(x) for x in like)) - vma(out) if like else frozenset()
+    if missing:
+        out = jax.lax.pvary(out, tuple(sorted(missing)))
     return out
 
 

@@ -220,7 +220,12 @@ def _custom_partitioned(op: AttentionOp, group: int, kv_heads: int):
     cp.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
                      need_replication_factors=("d",), **sizes)
   except TypeError:  # older JAX: no need_replication_factors keyword (d is still replicated)
-    cp.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **sizes)
+    try:
+      cp.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **sizes)
+    except TypeError:  # JAX 0.6: factor sizes go into the rule object, not def_partition
+      from jax._src.custom_partitioning_sharding_rule import str_to_sdy_sharding_rule
+      cp.def_partition(partition, infer_sharding_from_operands=infer,
+                       sharding_rule=str_to_sdy_sharding_rule(rule, **sizes))
   jitted = jax.jit(cp, static_argnums=(num,))
   return jitted
 
@@ -272,7 +277,10 @@ def _call_explicit(op, arrays, cfg, mesh, specs):
 
 
 def _reshard(x, mesh, spec):
-  return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+  if hasattr(jax.sharding, "reshard"):
+    return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+  from jax.experimental.shard import reshard  # JAX < 0.7
+  return reshard(x, NamedSharding(mesh, spec))
 
 
 # ---------------------------------------------------------------------------------------------
