@@ -22,6 +22,12 @@ from flax import nnx
 
 import jax_fa3
 import jax_fa3.flax as fx
+from jax_fa3.flax.nnx_layers import _FLAX_HAS_GQA
+
+# The layers mirror flax.nnx.MultiHeadAttention's num_kv_heads, and the tests compare with it.
+pytestmark = pytest.mark.skipif(
+    not _FLAX_HAS_GQA, reason=f"jax_fa3.flax needs flax >= 0.12.6 (GQA in nnx.MultiHeadAttention), "
+                              f"found {flax.__version__}")
 from oracle import visibility_mask
 
 REPO = pathlib.Path(__file__).resolve().parent.parent

@@ -7,7 +7,9 @@ weights saved from `flax.nnx.MultiHeadAttention` load into it unchanged. Our opt
 from __future__ import annotations
 
 import functools
+import inspect
 
+import flax
 from flax import nnx
 
 from jax_fa3._validation import check_bool, check_softcap, check_window
@@ -17,6 +19,10 @@ from jax_fa3.flax.rotation import random_rotation_signs
 _NO_DECODE = ("jax_fa3.flax.MultiHeadAttention does not support decode=True (a KV cache needs a "
               "per-step mask); use flax.nnx.MultiHeadAttention for cached decoding — the "
               "parameter tree is the same")
+
+
+# num_kv_heads (GQA) came to flax.nnx.MultiHeadAttention in flax 0.12.6.
+_FLAX_HAS_GQA = "num_kv_heads" in inspect.signature(nnx.MultiHeadAttention.__init__).parameters
 
 
 class Fp8RotationSigns(nnx.Variable):
@@ -56,6 +62,9 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     self.softcap = check_softcap(softcap)
     self.softmax_scale = softmax_scale
     self.fp8 = check_bool("fp8", fp8)
+    if not _FLAX_HAS_GQA:
+      raise ImportError(f"jax_fa3.flax.MultiHeadAttention subclasses flax.nnx.MultiHeadAttention "
+                        f"with num_kv_heads, which needs flax >= 0.12.6 (found {flax.__version__})")
     super().__init__(num_heads, in_features, qkv_features, out_features, num_kv_heads,
                      in_kv_features, rngs=rngs, **kwargs)
     # Drawn after Flax's parameters, so those equal flax.nnx.MultiHeadAttention's for one seed.
