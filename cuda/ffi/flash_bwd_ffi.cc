@@ -154,7 +154,7 @@ ffi::Error flash_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q,
     }
   }
 
-  const int bucket = flash_bwd::head_dim_bucket(static_cast<int>(d));
+  const int bucket = head_dim_bucket(static_cast<int>(d));
   FlashBwdParams p{};
   p.q = q.untyped_data();
   p.k = k.untyped_data();

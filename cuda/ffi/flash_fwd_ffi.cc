@@ -75,8 +75,8 @@ ffi::Error flash_fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   if (window_left < -1) return invalid("flash_fwd: window_left must be >= -1, got ", window_left);
   if (window_right < -1) return invalid("flash_fwd: window_right must be >= -1, got ", window_right);
 
-  const int bucket = flash_fwd_bucket(static_cast<int>(d));
-  if (!flash_fwd_compiled(bucket, *dtype)) {
+  const int bucket = head_dim_bucket(static_cast<int>(d));
+  if (!kernel_compiled(bucket, *dtype)) {
     return invalid("flash_fwd: no kernel compiled for head-dim bucket ", bucket, " (head dim ", d,
                    ") and dtype ", dtype_name(*dtype),
                    "; rebuild with it in JAX_FA3_HEAD_DIMS / JAX_FA3_DTYPES");

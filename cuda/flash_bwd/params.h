@@ -7,7 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "common/dtype.h"
+#include "common/buckets.h"
 
 namespace jax_fa3::flash_bwd {
 
@@ -46,15 +46,6 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 struct WorkspaceLayout {
   size_t dq_accum, lse_log2, dpsum, semaphores, total;
 };
-
-// Head-dim bucket (64, 96, 128, 192, 256) that runs head dim d, or 0 if none.
-inline int head_dim_bucket(int d) {
-  if (d <= 0 || d % 8 != 0) return 0;
-  for (int bucket : {64, 96, 128, 192, 256}) {
-    if (d <= bucket) return bucket;
-  }
-  return 0;
-}
 
 // dQ is accumulated per Q block in chunks of kBlockM rows x the head-dim bucket (padded rows and
 // columns included: the main kernel adds whole chunks; see BwdTraits::kDqWgFloats).
