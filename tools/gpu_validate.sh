@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# One GPU validation step on a Hopper machine, each stage time-boxed, logs in $OUT (default
+# ./gpu_out): install (optionally with a kernels library built elsewhere), the GPU tests of the
+# forward, Hadamard and backward kernels (backward with JAX_FA3_BWD_KERNEL=1), compute-sanitizer
+# memcheck and racecheck on small cases, and the backward benchmark at d=128.
+#
+#   tools/gpu_validate.sh [path/to/libjax_fa3_kernels.so]
+#
+# Stages: STAGES="install fwd bwd sanitizer bench" (default: all), e.g. STAGES="install bwd".
+# Building the kernels library on a CPU machine first (cmake, see README) and passing it here
+# skips the 2-10 minute CUDA build on the GPU machine: only the Python binding is built there.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+STAGES="${STAGES:-install fwd bwd sanitizer bench}"
+KERNELS_SO="${1:-}"
+t0=$(date +%s)
+elapsed() { echo "$(( $(date +%s) - t0 ))s"; }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+if has install; then
+  extra=()
+  [[ -n "$KERNELS_SO" ]] && extra=(-C "cmake.define.JAX_FA3_PREBUILT_KERNELS=$(realpath "$KERNELS_SO")")
+  python3 -m pip install --no-build-isolation --no-deps "${extra[@]}" . > "$OUT/install.log" 2>&1 \
+    || { tail -30 "$OUT/install.log"; exit 1; }
+  echo "== install done $(elapsed)"
+fi
+if has fwd; then
+  timeout 300 pytest -q -rfE -p no:cacheprovider tests/test_gpu_attention.py tests/test_gpu_hadamard.py \
+    2>&1 | tee "$OUT/fwd_tests.log" | tail -15
+  echo "== forward tests rc=$? $(elapsed)"
+fi
+if has bwd; then
+  JAX_FA3_BWD_KERNEL=1 timeout 400 pytest -q -rfE -p no:cacheprovider --durations=5 \
+    tests/test_gpu_backward.py 2>&1 | tee "$OUT/bwd_tests.log" | tail -20
+  echo "== backward tests rc=$? $(elapsed)"
+fi
+if has sanitizer; then
+  for tool in memcheck racecheck; do
+    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 JAX_FA3_BWD_KERNEL=1 \
+      timeout 150 compute-sanitizer --tool "$tool" --kernel-name kns=jax_fa3 --print-limit 20 \
+      python3 benchmarks/sanitizer_cases.py --head-dims 64,128,256 --backward > "$OUT/sanitizer_$tool.log" 2>&1
+    echo "== $tool rc=$? $(elapsed)"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|azard|sanitizer cases|FAILED" "$OUT/sanitizer_$tool.log" | head -5
+  done
+fi
+if has bench; then
+  JAX_FA3_BWD_KERNEL=1 timeout 240 python3 benchmarks/bench_attention.py --head-dims 128 \
+    --seqlens 2048,8192 --min-time 0.05 --json "$OUT/bench_d128.json" --png "$OUT/bench_d128.png" \
+    > "$OUT/bench_d128.log" 2>&1
+  echo "== bench rc=$? $(elapsed)"
+  tail -16 "$OUT/bench_d128.log"
+fi
