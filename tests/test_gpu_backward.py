@@ -54,9 +54,14 @@ def _check_backward(q, k, v, do, dtype, **kw):
   cfg = attention_config(q, k, v, softmax_scale=kw.get("softmax_scale"),
                          causal=kw.get("causal", False), window_size=kw.get("window_size", (-1, -1)),
                          softcap=kw.get("softcap", 0.0), deterministic=False)
-  f32 = lambda x: x.astype(jnp.float32)
-  out, lse = reference.attention_forward(f32(q), f32(k), f32(v), **cfg.kwargs())
-  ref = reference.attention_backward(f32(q), f32(k), f32(v), out, lse, f32(do), **cfg.kwargs())
+  # The reference runs on the host CPU (a 70 s stall was seen with it on the GPU: XLA autotuning
+  # each new shape's GEMMs); the kernel's gradients come over for the comparison.
+  cpu = jax.devices("cpu")[0]
+  f32 = lambda x: jax.device_put(x, cpu).astype(jnp.float32)
+  with jax.default_device(cpu):
+    out, lse = reference.attention_forward(f32(q), f32(k), f32(v), **cfg.kwargs())
+    ref = reference.attention_backward(f32(q), f32(k), f32(v), out, lse, f32(do), **cfg.kwargs())
+  dq, dk, dv = (jax.device_put(x, cpu) for x in (dq, dk, dv))
   # With one visible key per row P = 1 and dq = dk = 0 exactly (dP = D), while the kernel's dP
   # and D are one dot product summed in two orders: ~1e-6 of rounding left over. Relative to an
   # exact 0 that is "infinite", so the norm of dv (same magnitude as the cancelling terms) floors
