@@ -1,0 +1,48 @@
+"""Layout facts the backward kernel relies on, checked on the host with CuTe (no GPU needed).
+
+tests/cuda/check_bwd_layouts.cu is compiled with nvcc and run: for every head-dim bucket, the
+P/dS element pairs the kernel stores with one 32-bit st.shared are adjacent and cover the tile
+once, and the dQ "fragment order" chunk layout (consumers' stores, bulk reduce, postprocess) is a
+bijection onto the (64, d) block. Skipped where nvcc or the CUTLASS headers are missing; CI has
+both (the CUDA build needs them anyway).
+"""
+import os
+import pathlib
+import shutil
+import subprocess
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _nvcc():
+  for candidate in (os.environ.get("CUDACXX"), shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc"):
+    if candidate and os.path.exists(candidate):
+      return candidate
+  return None
+
+
+def _cutlass_include():
+  try:
+    import cutlass_library  # noqa: PLC0415
+  except ImportError:
+    return None
+  path = pathlib.Path(cutlass_library.__file__).parent / "source" / "include"
+  return path if (path / "cute" / "tensor.hpp").exists() else None
+
+
+def test_backward_layout_facts_hold_for_every_bucket(tmp_path):
+  nvcc, cutlass = _nvcc(), _cutlass_include()
+  if nvcc is None or cutlass is None:
+    pytest.skip(f"needs nvcc ({nvcc or 'not found'}) and the nvidia-cutlass headers "
+                f"({cutlass or 'not installed'})")
+  exe = tmp_path / "check_bwd_layouts"
+  build = subprocess.run(
+      [nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-w", "-I", str(REPO / "cuda"), "-I",
+       str(cutlass), "-o", str(exe), str(REPO / "tests" / "cuda" / "check_bwd_layouts.cu")],
+      capture_output=True, text=True, timeout=900)
+  assert build.returncode == 0, build.stderr[-3000:]
+  run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+  assert run.returncode == 0 and "FAILED" not in run.stdout, run.stdout
+  assert run.stdout.count(": ok") == 5, run.stdout
