@@ -38,7 +38,8 @@ def _flash_attn3_peer(causal):
   return _bench.Peer("fa3_kernels", lambda q, k, v: flash_mha(q, k, v, is_causal=causal))
 
 
-def run(head_dims, seqlens, directions, dtype, min_time, causal_modes=(False, True)):
+def run(head_dims, seqlens, directions, dtype, min_time, causal_modes=(False, True),
+        only_peers=None):
   rows = []
   key = jax.random.PRNGKey(0)
   for d in head_dims:
@@ -51,6 +52,8 @@ def run(head_dims, seqlens, directions, dtype, min_time, causal_modes=(False, Tr
         fa3 = _flash_attn3_peer(causal)
         if fa3 is not None and d == 128:
           peers.append(fa3)
+        if only_peers:
+          peers = [p for p in peers if p.name in only_peers]
         for peer in peers:
           q, k, v = _bench.random_qkv(sub, b, s, h, d, peer.dtype or dtype)
           fwd = jax.jit(peer.forward)
@@ -127,6 +130,8 @@ def main():
   parser.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
   parser.add_argument("--directions", default="fwd,bwd")
   parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+  parser.add_argument("--peers", default=None,
+                      help="comma-separated subset, e.g. jax_fa3,cudnn (default: every peer)")
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--min-time", type=float, default=0.2)
   parser.add_argument("--json", default="bench_attention.json")
@@ -139,7 +144,8 @@ def main():
   print(json.dumps(header))
   rows = run([int(x) for x in args.head_dims.split(",")], [int(x) for x in args.seqlens.split(",")],
              args.directions.split(","), jnp.dtype(args.dtype), args.min_time,
-             {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal])
+             {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal],
+             set(args.peers.split(",")) if args.peers else None)
   with open(args.json, "w") as f:
     json.dump(dict(header=header, rows=rows), f, indent=1)
   try:

@@ -47,7 +47,7 @@ if has sanitizer; then
 fi
 if has bench; then
   JAX_FA3_BWD_KERNEL=1 timeout 240 python3 benchmarks/bench_attention.py --head-dims 128 \
-    --seqlens 2048,8192 --min-time 0.05 --json "$OUT/bench_d128.json" --png "$OUT/bench_d128.png" \
+    --seqlens 2048,8192 --peers jax_fa3,cudnn,xla --min-time 0.05 --json "$OUT/bench_d128.json" --png "$OUT/bench_d128.png" \
     > "$OUT/bench_d128.log" 2>&1
   echo "== bench rc=$? $(elapsed)"
   tail -16 "$OUT/bench_d128.log"
