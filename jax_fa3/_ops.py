@@ -23,10 +23,10 @@ def head_dim_bucket(head_dim: int) -> int:
   return next(b for b in HEAD_DIM_BUCKETS if b >= head_dim)
 
 
-# The backward kernel ran on the H200 for the first time on 2026-11-30 (after a register-split
-# hang was fixed): 9 of 11 d=128 gradient tests passed, the 2 others at seqlen 1 were a test-metric
-# problem. Until the whole sweep passes there, GPU gradients use the pure-JAX backward unless
-# this opt-in is set.
+# The backward kernel's first version passed the seqlen and d=64-192 bf16 gradient tests on the
+# H200 (2026-11-30); the version now in cuda/flash_bwd (dQ via a TMA bulk reduce) has not run on a
+# GPU yet. Until the whole sweep passes there, GPU gradients use the pure-JAX backward unless this
+# opt-in is set.
 BACKWARD_KERNEL_ENV = "JAX_FA3_BWD_KERNEL"
 
 
