@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fa3
-from jax_fa3 import reference
+from jax_fa3 import _bench
 from jax_fa3._validation import attention_config
 
 CASES = [  # (b, s_q, s_k, h, h_k, causal, window, softcap)
@@ -44,24 +44,14 @@ def run_case(d, dtype, b, s_q, s_k, h, h_k, causal, window, softcap, backward):
   kw = dict(causal=causal, window_size=window, softcap=softcap)
   cfg = attention_config(q, k, v, softmax_scale=None, causal=causal, window_size=window,
                          softcap=softcap, deterministic=False)
-  # The reference runs on the CPU: under the sanitizer, XLA's own GPU compilation (autotuning
-  # GEMM fusions) is slow and crashed the process; only our kernels need instrumenting.
-  cpu = jax.devices("cpu")[0]
-  f32 = lambda x: jax.device_put(x, cpu).astype(jnp.float32)
-  with jax.default_device(cpu):
-    ref_out, ref_lse = reference.attention_forward(f32(q), f32(k), f32(v), **cfg.kwargs())
+  ref_out, _, ref_grads = _bench.host_reference(q, k, v, cfg, dout=do if backward else None)
   out = jax.jit(lambda q, k, v: jax_fa3.flash_attention(q, k, v, **kw))(q, k, v)
   errors = {"out": _rel(out, ref_out)}
   if backward:
     do32 = do.astype(jnp.float32)
     loss = lambda q, k, v: jnp.sum(jax_fa3.flash_attention(q, k, v, **kw).astype(jnp.float32) * do32)
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
-    with jax.default_device(cpu):
-      ref = reference.attention_backward(f32(q), f32(k), f32(v), ref_out, ref_lse, f32(do), **cfg.kwargs())
-    floor = 1e-3 * float(np.linalg.norm(np.asarray(ref[2])))
-    for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
-      err = np.linalg.norm(np.asarray(got, np.float64) - np.asarray(want, np.float64))
-      errors[name] = float(err / max(np.linalg.norm(np.asarray(want, np.float64)), floor))
+    errors.update(_bench.gradient_errors(grads, ref_grads))
   return errors
 
 

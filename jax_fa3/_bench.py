@@ -79,6 +79,41 @@ def relative_error(out, q, k, v, causal, unit_scale=False) -> float:
   return float(diff / jnp.linalg.norm(ref))
 
 
+def host_reference(q, k, v, cfg, dout=None):
+  """The fp32 reference on the host CPU: (out, lse) and, given dout, also (dq, dk, dv) (else None).
+
+  Kernel tests and sanitizer runs keep XLA's own work off the GPU: there XLA autotunes each new
+  shape's GEMMs (a 70 s stall was seen in a test run) and, under compute-sanitizer, its compiler
+  crashed. Only the kernels under test need the GPU; their results come over for the comparison.
+  """
+  cpu = jax.devices("cpu")[0]
+  f32 = lambda x: jax.device_put(x, cpu).astype(jnp.float32)
+  with jax.default_device(cpu):
+    out, lse = reference.attention_forward(f32(q), f32(k), f32(v), **cfg.kwargs())
+    if dout is None:
+      return out, lse, None
+    grads = reference.attention_backward(f32(q), f32(k), f32(v), out, lse, f32(dout),
+                                         **cfg.kwargs())
+  return out, lse, grads
+
+
+def gradient_errors(grads, ref_grads) -> dict[str, float]:
+  """{"dq", "dk", "dv"}: relative Frobenius errors, each denominator floored at 1e-3·‖dv_ref‖.
+
+  With one visible key per row P = 1 and dq = dk = 0 exactly (dP = D), while a kernel's dP and D
+  are one dot product summed in two orders: ~1e-6 of rounding is left over, "infinitely" wrong
+  relative to an exact 0. The norm of dv (the magnitude of the cancelling terms) floors the
+  denominator, so errors stay measured against the gradient's natural scale.
+  """
+  as64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  floor = 1e-3 * float(np.linalg.norm(as64(ref_grads[2])))
+  errors = {}
+  for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+    err = np.linalg.norm(as64(got) - as64(want))
+    errors[name] = float(err / max(float(np.linalg.norm(as64(want))), floor, 1e-30))
+  return errors
+
+
 def random_qkv(key, b, s, h, d, dtype):
   kq, kk, kv = jax.random.split(key, 3)
   return tuple(jax.random.normal(kk_, (b, s, h, d), jnp.float32).astype(dtype) for kk_ in (kq, kk, kv))

@@ -5,7 +5,6 @@ values in fp32, so only the kernel's own rounding is measured: P rounded to 16 b
 GEMM and the output rounded once. bf16 has unit roundoff 2^-8 ≈ 3.9e-3 → 1e-2 relative (Frobenius);
 fp16 2^-11 ≈ 4.9e-4 → 2e-3.
 """
-import itertools
 
 import os
 
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_fa3
-from jax_fa3 import reference
+from jax_fa3 import _bench
 from ffi_probe import ffi_error_message
 
 pytestmark = pytest.mark.gpu
@@ -51,12 +50,7 @@ def _check_forward(q, k, v, dtype, **kw):
       q, k, v, softmax_scale=kw.get("softmax_scale"), causal=kw.get("causal", False),
       window_size=kw.get("window_size", (-1, -1)), softcap=kw.get("softcap", 0.0),
       deterministic=False)
-  # The reference runs on the host CPU: on the GPU, XLA autotunes each new reference shape's
-  # GEMMs, which cost more time than the kernels under test.
-  cpu = jax.devices("cpu")[0]
-  f32 = lambda x: jax.device_put(x, cpu).astype(jnp.float32)
-  with jax.default_device(cpu):
-    ref_out, ref_lse = reference.attention_forward(f32(q), f32(k), f32(v), **cfg.kwargs())
+  ref_out, ref_lse, _ = _bench.host_reference(q, k, v, cfg)
   out_np, lse_np = np.asarray(out, np.float32), np.asarray(lse)
   assert np.all(np.isfinite(out_np)), "non-finite output (unwritten or NaN)"
   assert _rel(out_np, ref_out) < TOL[dtype], _rel(out_np, ref_out)
