@@ -6,7 +6,8 @@
 #
 #   tools/gpu_validate.sh [path/to/libjax_fa3_kernels.so]
 #
-# Stages: STAGES="install fwd bwd sanitizer bench" (default: all), e.g. STAGES="install bwd".
+# Stages: STAGES="install fwd bwd sanitizer bench ring" (default: all but ring), e.g.
+# STAGES="install bwd". ring needs 2+ GPUs: benchmarks/bench_ring.py, 128k tokens, 1 vs n GPUs.
 # Building the kernels library on a CPU machine first (cmake, see README) and passing it here
 # skips the 2-10 minute CUDA build on the GPU machine: only the Python binding is built there.
 set -uo pipefail
@@ -51,4 +52,10 @@ if has bench; then
     > "$OUT/bench_d128.log" 2>&1
   echo "== bench rc=$? $(elapsed)"
   tail -16 "$OUT/bench_d128.log"
+fi
+if has ring; then
+  JAX_FA3_BWD_KERNEL=1 timeout "${RING_TIMEOUT:-300}" python3 benchmarks/bench_ring.py \
+    --json "$OUT/ring.json" > "$OUT/ring.log" 2>&1
+  echo "== ring rc=$? $(elapsed)"
+  tail -8 "$OUT/ring.log"
 fi
