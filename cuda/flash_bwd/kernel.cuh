@@ -66,7 +66,19 @@ __device__ __forceinline__ void wg_gemm(TiledMma& mma, TA const& a, TB const& b,
 template <typename Traits>
 __device__ __forceinline__ float* dq_chunk(KernelParams<Traits> const& p, int bidb, int qh, int m) {
   return p.dq_accum +
-         ((int64_t(bidb) * p.h + qh) * p.num_m_blocks + m) * int64_t(Traits::kDqChunkFloats);
+         q_block_index(bidb, p.h, qh, p.num_m_blocks, m) * int64_t(Traits::kDqChunkFloats);
+}
+
+// Deterministic mode: dQ of a Q block is added in increasing K-block order. The block's semaphore
+// counts the K blocks that have added so far; returns it once it is this K block's turn.
+template <typename Traits>
+__device__ __forceinline__ int* wait_dq_turn(KernelParams<Traits> const& p, int bidb, int qh, int m,
+                                             int n_block) {
+  int* sem = p.semaphores + q_block_index(bidb, p.h, qh, p.num_m_blocks, m);
+  const int target = n_block - p.geom.n_first(m);
+  while (ld_acquire_gpu(sem) != target) {
+  }
+  return sem;
 }
 
 // The dQ writer warp: walks the same (query head, Q block) sequence as the consumers. For each
@@ -91,13 +103,7 @@ __device__ __forceinline__ void dq_writer(KernelParams<Traits> const& p, const f
     for (int m = m_begin; m < m_end; ++m, ++it) {
       named_barrier_sync(NamedBarrier::kDqFull, kThreads);
       if (leader) {
-        int* sem = nullptr;
-        if (p.deterministic) {
-          sem = p.semaphores + (int64_t(bidb) * p.h + qh) * p.num_m_blocks + m;
-          const int target = n_block - p.geom.n_first(m);
-          while (ld_acquire_gpu(sem) != target) {
-          }
-        }
+        int* sem = p.deterministic ? wait_dq_turn(p, bidb, qh, m, n_block) : nullptr;
         bulk_reduce_add_s2g(dq_chunk(p, bidb, qh, m), sdq, kBytes);
         bulk_commit();
         if (p.deterministic) {
@@ -384,8 +390,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       warpgroup_wait<2>();  // the dQ group is done; the dV and dK groups may still run
       warpgroup_fence_operand(tdQrdQ);
 
-      // Fragment order (see Traits::kDqWgFloats): this thread's pairs are 256 floats apart.
-      constexpr int kPairStride = 128;  // in float2
+      // Fragment order (see Traits::kDqWgFloats): this thread's pairs are kDqPairStride apart.
+      constexpr int kPairStride = Traits::kDqPairStride;  // in float2
       if constexpr (Traits::kDqViaSmem) {
         // The writer warp adds the chunk to global memory (and orders the deterministic mode).
         named_barrier_sync(NamedBarrier::kDqEmpty, kMma + 32);
@@ -402,12 +408,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         // s_q, K is zero-filled past d), so the whole chunk is added without masks.
         int* sem = nullptr;
         if (p.deterministic) {  // K blocks add in increasing order
-          sem = p.semaphores + (int64_t(bidb) * p.h + qh) * p.num_m_blocks + m;
-          if (ctid == 0) {
-            const int target = n_block - p.geom.n_first(m);
-            while (ld_acquire_gpu(sem) != target) {
-            }
-          }
+          if (ctid == 0) sem = wait_dq_turn(p, bidb, qh, m, n_block);
           named_barrier_sync(NamedBarrier::kDeterministic, kMma);
         }
         float2* gdq = reinterpret_cast<float2*>(

@@ -33,14 +33,14 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads)
   Tensor coord = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDQ>>{}));
 
   const float2* chunk = reinterpret_cast<const float2*>(
-      dq_accum + ((int64_t(batch) * h + head) * num_m_blocks + m) * int64_t(Traits::kDqChunkFloats) +
+      dq_accum + q_block_index(batch, h, head, num_m_blocks, m) * int64_t(Traits::kDqChunkFloats) +
       wg * Traits::kDqWgFloats) + tid;
   CUTE_UNROLL
   for (int i = 0; i < size(coord); i += 2) {
     const int row = m * kBlockM + get<0>(coord(i));
     const int col = wg * kDQ + get<1>(coord(i));  // even; d is a multiple of 8
     if (row < s_q && col < d) {
-      const float2 v = chunk[(i / 2) * 128];
+      const float2 v = chunk[(i / 2) * Traits::kDqPairStride];
       const Element lo(v.x * scale), hi(v.y * scale);
       *reinterpret_cast<uint32_t*>(dq + ((int64_t(batch) * s_q + row) * h + head) * d + col) =
           uint32_t(lo.raw()) | (uint32_t(hi.raw()) << 16);

@@ -115,6 +115,10 @@ struct BwdTraits {
   // postprocess maps fragments back to (row, column) with the same TiledMMA.
   static constexpr int kDqWgFloats = kBlockM * kDQ;
   static constexpr int kDqChunkFloats = kBlockM * kHeadDim;
+  // Distance between one thread's consecutive float pairs in a warpgroup's part: 128 threads x
+  // one float2 each.
+  static constexpr int kDqPairStride = 128;  // in float2
+  static_assert(kDqWgFloats % (2 * kDqPairStride) == 0, "whole pair rows per warpgroup part");
   // Through shared memory + a TMA bulk reduce issued by a dedicated warp when the chunk fits
   // (d <= 192: +16..48 KB); d = 256 (208 KB without it) adds from registers with red.global.v2.
   static constexpr bool kDqViaSmem = kHeadDim <= 192;
@@ -143,5 +147,12 @@ struct BwdTraits {
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + base alignment slack
   static_assert(kSmemBytes <= 227 * 1024, "backward tile does not fit shared memory");
 };
+
+// Index of query head qh's Q block m of batch bidb among all (batch, head, Q block) triples: its
+// dQ chunk in the workspace and its deterministic-mode semaphore both sit at this index.
+__host__ __device__ __forceinline__ int64_t q_block_index(int bidb, int h, int qh, int num_m_blocks,
+                                                          int m) {
+  return (int64_t(bidb) * h + qh) * num_m_blocks + m;
+}
 
 }  // namespace jax_fa3::flash_bwd

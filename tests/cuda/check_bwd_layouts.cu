@@ -64,7 +64,7 @@ int check_bucket() {
       for (int i = 0; i < size(coord); ++i) {
         const int r = get<0>(coord(i)), c = wg * kDQ + get<1>(coord(i));
         cell[r * kHeadDim + c]++;
-        slot[wg * Traits::kDqWgFloats + (i / 2) * 256 + 2 * t + (i % 2)]++;
+        slot[wg * Traits::kDqWgFloats + (i / 2) * 2 * Traits::kDqPairStride + 2 * t + (i % 2)]++;
         if (i % 2 == 0 && (c % 2 != 0 || get<0>(coord(i + 1)) != r ||
                            wg * kDQ + get<1>(coord(i + 1)) != c + 1)) {
           fail("dQ pair not (r, c), (r, c + 1) with c even", wg, t, i);
