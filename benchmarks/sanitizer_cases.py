@@ -8,7 +8,9 @@ Run under the sanitizer, restricted to our kernels, e.g.
 Shapes are small (one to a few CTAs) but cover every tail path: ragged s_q/s_k, s_q != s_k,
 GQA, causal, a window, softcap, and the head-dim buckets given on the command line. Each case
 also checks the result against the fp32 reference, so a run that the sanitizer instruments but
-that computes garbage does not pass silently.
+that computes garbage does not pass silently. The fp8 forward (`jax_fa3_flash_fwd_fp8`, its V
+transpose pre-pass included) runs the same shapes (no softcap; block_size 32 and 64) from
+pre-quantized inputs and is checked against the pure-JAX emulation (--no-fp8 skips it).
 """
 import argparse
 import itertools
@@ -55,10 +57,34 @@ def run_case(d, dtype, b, s_q, s_k, h, h_k, causal, window, softcap, backward):
   return errors
 
 
+def run_fp8_case(d, b, s_q, s_k, h, h_k, causal, window, block_size):
+  from jax_fa3 import fp8  # noqa: PLC0415
+  from jax_fa3._config import AttentionConfig  # noqa: PLC0415
+  keys = jax.random.split(jax.random.PRNGKey(d + s_q + 1), 3)
+  q = jax.random.normal(keys[0], (b, s_q, h, d), jnp.float32)
+  k = jax.random.normal(keys[1], (b, s_k, h_k, d), jnp.float32)
+  v = jax.random.normal(keys[2], (b, s_k, h_k, d), jnp.float32)
+  q8, q_scale = fp8.quantize_fp8(q, block_size=block_size)
+  k8, k_scale = fp8.quantize_fp8(k, block_size=block_size)
+  v8, v_scale = fp8.quantize_fp8(v, block_size=None)
+  args = (q8, k8, v8, q_scale, k_scale, v_scale[..., 0])
+  att = AttentionConfig(softmax_scale=d**-0.5, window_left=window[0],
+                        window_right=0 if causal else window[1])
+  cfg = fp8.Fp8Config(att, block_size=block_size, incoherent=False, return_lse=False,
+                      tile_k={64: 128, 128: 128, 256: 96}[d])
+  out, _ = jax.jit(lambda *a: fp8.fp8_forward(*a, cfg))(*args)
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    emu, _ = jax.jit(lambda *a: fp8._emulated_forward(*a, cfg))(
+        *[jax.device_put(x, cpu) for x in args])
+  return {"out": _rel(out, emu)}
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--head-dims", default="64,128,256")
   parser.add_argument("--backward", action="store_true", help="also run jax.grad (needs the bwd kernel)")
+  parser.add_argument("--no-fp8", action="store_true", help="skip the fp8 forward cases")
   args = parser.parse_args(argv)
   tol = 2e-2
   failed = 0
@@ -68,6 +94,17 @@ def main(argv=None):
     failed += not ok
     print(f"d={d} case={case}: " + " ".join(f"{k}={v:.2e}" for k, v in errors.items()),
           "ok" if ok else "FAILED", flush=True)
+  if not args.no_fp8:
+    for d, case, block_size in itertools.product([int(x) for x in args.head_dims.split(",")],
+                                                 CASES, (32, 64)):
+      if d not in (64, 128, 256):
+        continue
+      errors = run_fp8_case(d, *case[:-1], block_size=block_size)
+      ok = all(np.isfinite(e) and e < tol for e in errors.values())
+      failed += not ok
+      print(f"fp8 d={d} case={case[:-1]} block_size={block_size}: "
+            + " ".join(f"{k}={v:.2e}" for k, v in errors.items()), "ok" if ok else "FAILED",
+            flush=True)
   print(f"sanitizer cases: {failed} failed", flush=True)
   return 1 if failed else 0
 

@@ -42,6 +42,10 @@ class Peer:
   forward: Callable          # (q, k, v) -> out, under jit
   dtype: object = None       # force this input dtype (e.g. Pallas MGPU runs fp16 only)
   unit_scale: bool = False   # the peer applies no 1/sqrt(d) softmax scale (Pallas MGPU)
+  # (q, k, v) -> the forward's arguments, computed outside the timing (e.g. fp8 quantization).
+  prepare: Callable | None = None
+  max_rel_err: float = 2e-2  # above this vs the fp32 reference the speed is not quoted
+  forward_only: bool = False
 
 
 def _dpa(implementation, causal):

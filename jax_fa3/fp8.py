@@ -299,33 +299,62 @@ def _emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
   return out, lse.reshape(b, h, s_q)
 
 
+KERNEL_HEAD_DIM_BUCKETS = (64, 128, 256)  # cuda/flash_fwd/flash_fwd_fp8.h kFp8HeadDimBuckets
+
+
+def _kernel_workspace_bytes(b, h_k, s_k, d) -> int:
+  """The handler's workspace: V transposed (b, h_k, d, s_pad) e4m3 + per-key k scales
+  (b, h_k, s_pad) f32, s_pad = s_k rounded up to 32 (flash_fwd_fp8_workspace_bytes in C++)."""
+  s_pad = -(-s_k // 32) * 32
+  return max(16, b * h_k * s_pad * (d + 4))
+
+
 def _kernel_forward(cfg: Fp8Config):
   att = cfg.attention
 
   def call(q8, k8, v8, q_scale, k_scale, v_scale):
-    b, s_q, h, _ = q8.shape
+    b, s_q, h, d = q8.shape
+    s_k, h_k = k8.shape[1], k8.shape[2]
     result_types = (jax.ShapeDtypeStruct(q8.shape, jnp.bfloat16),
-                    jax.ShapeDtypeStruct((b, h, s_q), jnp.float32))
-    return jax.ffi.ffi_call(KERNEL_TARGET, result_types)(
+                    jax.ShapeDtypeStruct((b, h, s_q), jnp.float32),
+                    # scratch (transposed V, expanded k scales), dropped: XLA allocates it with
+                    # the call's temporaries (the FFI ScratchAllocator gave nothing on the H200)
+                    jax.ShapeDtypeStruct((_kernel_workspace_bytes(b, h_k, s_k, d),), jnp.uint8))
+    out, lse, _ = jax.ffi.ffi_call(KERNEL_TARGET, result_types)(
         q8, k8, v8, q_scale, k_scale, v_scale, softmax_scale=np.float32(att.softmax_scale),
         window_left=np.int32(att.window_left), window_right=np.int32(att.window_right),
         block_size=np.int32(cfg.block_size))
+    return out, lse
 
   return fold_vmap_into_batch(call)
 
 
-def _kernel_unavailable_reason() -> str | None:
+def _kernel_bucket(d: int) -> int | None:
+  """The compiled fp8 head-dim bucket that runs head dim d (None: no kernel for d)."""
+  if d % 16 != 0:
+    return None
+  compiled = _ffi.build_config().get("head_dims", ())
+  for bucket in KERNEL_HEAD_DIM_BUCKETS:
+    if d <= bucket and str(bucket) in compiled:
+      return bucket
+  return None
+
+
+def _kernel_unavailable_reason(d: int | None = None) -> str | None:
   if not _ffi.kernels_available():
     return _ffi.kernels_unavailable_reason()
   if not _ffi.has_target(KERNEL_TARGET):
     return f"this build has no {KERNEL_TARGET} kernel"
+  if d is not None and _kernel_bucket(d) is None:
+    return (f"no fp8 kernel for head_dim {d} in this build (needs a multiple of 16 up to a "
+            f"compiled bucket of {KERNEL_HEAD_DIM_BUCKETS}; JAX_FA3_HEAD_DIMS at build time)")
   return None
 
 
 @functools.partial(jax.jit, static_argnums=(6,))
 def _fp8_forward_jit(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
   emulate = functools.partial(_emulated_forward, cfg=cfg)
-  reason = _kernel_unavailable_reason()
+  reason = _kernel_unavailable_reason(q8.shape[-1])
   if reason is not None:
     _ffi.announce_once(f"fp8:{reason}", f"jax_fa3: emulating the fp8 attention kernel in pure "
                        f"JAX: {reason}")

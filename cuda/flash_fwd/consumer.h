@@ -9,6 +9,7 @@
 #include "flash_fwd/barriers.h"
 #include "flash_fwd/block_info.h"
 #include "flash_fwd/epilogue.h"
+#include "flash_fwd/fp8_softmax.h"
 #include "flash_fwd/kernel_params.h"
 #include "flash_fwd/softmax.h"
 #include "flash_fwd/wgmma.h"
@@ -67,6 +68,10 @@ struct PingPong {
   }
 };
 
+// The fp8 kernel (Traits::kFp8) differs in a few `if constexpr` places only, so the 16-bit code
+// path is exactly what it was: S is descaled per column (k_scale) and per row (q_scale, folded
+// into the exp2 FFMA), P is 2^8-shifted and packed into e4m3 in place (fp8_softmax.h,
+// fp8_layout.h), and O is divided by 2^8 * rowsum and multiplied by v_scale.
 template <class Traits>
 __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
                                              typename Traits::SharedStorage& ss, int thread_idx) {
@@ -90,6 +95,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   // P, the A operand of O += PV. Written only after the PV wgmma that read it has completed.
   Tensor tOrP = make_tensor<typename Traits::Element>(
       partition_shape_A(mma_pv, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  constexpr bool kFp8 = Traits::kFp8;
 
   const int thread_in_wg = thread_idx % 128;
   const FragCoord fc = FragCoord::of_thread(thread_in_wg);
@@ -105,10 +111,31 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     const BlockRange range = block_range(c.m_block, kBlockM, kBlockN, sc.s_q, sc.s_k,
                                          sc.window_left, sc.window_right);
     const int row_g = c.m_block * kBlockM + 64 * (thread_idx / 128) + fc.row0;
+    // fp8 only: per-row exp2 scales (softmax_scale * log2 e * q_scale of the row's block), this
+    // (batch, kv-head)'s per-key k scales and its v scale.
+    [[maybe_unused]] float row_scale[2];
+    [[maybe_unused]] const float* col_scale = nullptr;
+    [[maybe_unused]] float v_scale = 1.f;
+    if constexpr (kFp8) {
+      const int kv_head = c.head / (sc.h / sc.h_k);
+      const int64_t bh_k = int64_t(c.batch) * sc.h_k + kv_head;
+      const float* q_scale = p.q_scale + (int64_t(c.batch) * sc.h + c.head) * p.num_q_blocks;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row_g + 8 * r;
+        row_scale[r] = row < sc.s_q ? p.scale_log2 * __ldg(q_scale + row / p.block_size) : 1.f;
+      }
+      col_scale = p.k_col_scale + bh_k * p.s_pad;
+      v_scale = __ldg(p.v_scale + bh_k);
+    }
 
     // Raw scores -> capped, masked scores, in place.
     auto finish_scores = [&](auto& tSrS, int n_block) {
-      if (use_softcap) apply_softcap(tSrS, sc.softcap_pre, sc.softcap);
+      if constexpr (kFp8) {
+        descale_columns(tSrS, col_scale, n_block * kBlockN + fc.col0, p.s_pad);
+      } else {
+        if (use_softcap) apply_softcap(tSrS, sc.softcap_pre, sc.softcap);
+      }
       if (block_needs_mask(c.m_block, n_block, kBlockM, kBlockN, sc.s_q, sc.s_k, sc.window_left,
                            sc.window_right)) {
         apply_mask(tSrS, row_g, n_block * kBlockN + fc.col0, sc.s_k, off, sc.window_left,
@@ -118,9 +145,24 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
 
     Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     clear(tOrO);
-    OnlineSoftmax softmax;
+    std::conditional_t<kFp8, Fp8OnlineSoftmax, OnlineSoftmax> softmax;
     softmax.reset();
     float correction[2];
+    // The exp2 scale: one scalar (16-bit), or per row (fp8).
+    auto softmax_update = [&](auto& tSrS) {
+      if constexpr (kFp8) {
+        softmax.update(tSrS, row_scale, correction);
+      } else {
+        softmax.update(tSrS, sc.scale_log2, correction);
+      }
+    };
+    auto to_p = [&](auto const& tSrS) {
+      if constexpr (kFp8) {
+        convert_p_fp8(tSrS, tOrP);
+      } else {
+        convert_p(tSrS, tOrP);
+      }
+    };
 
     mbar_wait(&ss.q_full, q_phase);
     q_phase ^= 1;
@@ -136,9 +178,9 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
         warpgroup_wait<0>();
         release_stage(&ss.k_empty[kv.stage]);
         finish_scores(tSrS, n_block);
-        softmax.update(tSrS, sc.scale_log2, correction);
+        softmax_update(tSrS);
         rescale_rows(tOrO, correction);
-        convert_p(tSrS, tOrP);
+        to_p(tSrS);
         mbar_wait(&ss.v_full[kv.stage], kv.phase);
         pingpong.wait_turn();
         warpgroup_gemm</*zero_init=*/false, /*wait=*/-1, /*a_regs=*/true>(
@@ -159,8 +201,8 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
         warpgroup_wait<0>();
         release_stage(&ss.k_empty[kv.stage]);
         finish_scores(tSrS, n_block);
-        softmax.update(tSrS, sc.scale_log2, correction);
-        convert_p(tSrS, tOrP);
+        softmax_update(tSrS);
+        to_p(tSrS);
       }
       // Steady state (intra-warpgroup overlap): issue S(n) = QK^T and O += P(n+1) V(n+1), then do
       // the softmax of S(n) while the PV GEMM is still running; O is rescaled only after it.
@@ -178,11 +220,11 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
         warpgroup_wait<1>();  // S(n) done (batches complete in order), PV may still run
         release_stage(&ss.k_empty[kv.stage]);
         finish_scores(tSrS, n_block);
-        softmax.update(tSrS, sc.scale_log2, correction);
+        softmax_update(tSrS);
         warpgroup_wait<0>();  // PV done: P's registers and V's stage are free, O is final
         release_stage(&ss.v_empty[prev.stage]);
         rescale_rows(tOrO, correction);
-        convert_p(tSrS, tOrP);
+        to_p(tSrS);
       }
       // Last PV.
       mbar_wait(&ss.v_full[kv.stage], kv.phase);
@@ -196,7 +238,11 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     }
 
     float inv_sum[2], lse[2];
-    softmax.finalize(sc.scale_log2, inv_sum, lse);
+    if constexpr (kFp8) {
+      softmax.finalize(row_scale, v_scale, inv_sum, lse);
+    } else {
+      softmax.finalize(sc.scale_log2, inv_sum, lse);
+    }
     rescale_rows(tOrO, inv_sum);
     store_tile<Traits>(p, ss, tOrO, lse, c, thread_idx);
   }

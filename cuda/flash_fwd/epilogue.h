@@ -21,7 +21,7 @@ __device__ __forceinline__ void store_tile(KernelParams<Traits> const& p,
                                            typename Traits::SharedStorage& ss, FragO const& tOrO,
                                            const float (&lse)[2], const TileCoord& c,
                                            int thread_idx) {
-  using Element = typename Traits::Element;
+  using Element = typename Traits::ElementOut;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kHeadDim = Traits::kHeadDim;
   const FlashFwdScalars& sc = p.s;
@@ -31,9 +31,11 @@ __device__ __forceinline__ void store_tile(KernelParams<Traits> const& p,
 #pragma unroll
   for (int i = 0; i < size(tOrO); ++i) tOrO_out(i) = static_cast<Element>(tOrO(i));
 
-  // Q's buffer is free for this warpgroup's rows: its last S = QK^T wgmma has completed, and
-  // the other warpgroup only reads (and writes) its own 64 rows.
-  Tensor sO = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutO{});
+  // Q's buffer (bf16/fp16; fp8 has a separate bf16 O buffer) is free for this warpgroup's rows:
+  // its last S = QK^T wgmma has completed, and the other warpgroup only reads (and writes) its
+  // own 64 rows. Either way the O buffer is reused only after thread 0's tma_store_wait below
+  // (the next tile's Q load waits for q_empty).
+  Tensor sO = make_tensor(make_smem_ptr(Traits::o_smem(ss)), typename Traits::SmemLayoutO{});
   auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{},
                                      typename Traits::TiledMmaPV{});
   auto thr_copy = smem_copy.get_thread_slice(thread_idx);

@@ -3,6 +3,7 @@
 // the tile scheduler.
 #pragma once
 #include "flash_fwd/cute_config.h"
+#include <type_traits>
 #include <cute/tensor.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 
@@ -26,24 +27,47 @@ auto make_gmem_tensor(Element* ptr, int seq, int d, int heads, int batch) {
                      GmemStride(row, _1{}, int64_t(d), row * seq));
 }
 
+// Extra parameters of the fp8 kernel (scales, transposed V), an empty base otherwise (so the
+// bf16/fp16 parameter block keeps its layout: empty-base optimization).
+template <bool kFp8> struct ExtraParams {};
+template <> struct ExtraParams<true> {
+  const float* q_scale;      // (b, h, num_q_blocks): the per-row-block q descale
+  const float* k_col_scale;  // (b, h_k, s_pad): k_scale expanded to one float per key (0 past s_k)
+  const float* v_scale;      // (b, h_k)
+  int num_q_blocks;          // ceil(s_q / block_size)
+  int block_size;            // tokens per q/k scale
+  int s_pad;                 // keys of Vt / k_col_scale rows (s_k rounded up to 32)
+  float scale_log2;          // softmax_scale * log2(e)
+};
+
+// V's tile: (kBlockN keys, d) for bf16/fp16; the fp8 kernel loads V^T tiles (d, kBlockN keys)
+// from the transposed copy, keys contiguous (K-major for the PV GEMM).
 template <class Traits>
-struct KernelParams {
+using TileVOf = std::conditional_t<Traits::kFp8, Shape<Int<Traits::kHeadDim>, Int<Traits::kBlockN>>,
+                                   Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>>;
+
+template <class Traits>
+struct KernelParams : ExtraParams<Traits::kFp8> {
   using Element = typename Traits::Element;
+  using ElementOut = typename Traits::ElementOut;
   using TileQ = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;
   using TileKV = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>;
+  using TileV = TileVOf<Traits>;
   using GmemIn = decltype(make_gmem_tensor(static_cast<Element const*>(nullptr), 1, 1, 1, 1));
-  using GmemOut = decltype(make_gmem_tensor(static_cast<Element*>(nullptr), 1, 1, 1, 1));
+  using GmemOut = decltype(make_gmem_tensor(static_cast<ElementOut*>(nullptr), 1, 1, 1, 1));
 
   using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemIn>(),
                                       typename Traits::SmemLayoutQ{}, TileQ{}, _1{}));
   using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemIn>(),
                                        take<0, 2>(typename Traits::SmemLayoutK{}), TileKV{}, _1{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, std::declval<GmemIn>(),
+                                      take<0, 2>(typename Traits::SmemLayoutV{}), TileV{}, _1{}));
   using TmaO = decltype(make_tma_copy(SM90_TMA_STORE{}, std::declval<GmemOut>(),
                                       typename Traits::SmemLayoutO{}, TileQ{}, _1{}));
 
   TmaQ tma_q;
   TmaKV tma_k;
-  TmaKV tma_v;
+  TmaV tma_v;
   TmaO tma_o;
   FlashFwdScalars s;
   TileScheduler scheduler;

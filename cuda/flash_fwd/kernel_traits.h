@@ -43,7 +43,9 @@ constexpr auto smem_atom_k_major() {
 template <int kHeadDim_, typename Element_>
 struct KernelTraits {
   using Element = Element_;
+  using ElementOut = Element;  // O is written in the input type (fp8: Fp8KernelTraits)
   using ElementAccum = float;
+  static constexpr bool kFp8 = false;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = BlockN<kHeadDim>::value;
@@ -103,6 +105,8 @@ struct KernelTraits {
     uint64_t v_full[kStages];
     uint64_t v_empty[kStages];
   };
+  // Where the epilogue stages O: Q's buffer (Q is dead once the tile's last S GEMM completed).
+  __device__ __forceinline__ static ElementOut* o_smem(SharedStorage& ss) { return ss.q.data(); }
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 232448, "shared memory over the 227 KB per-block limit");
 };

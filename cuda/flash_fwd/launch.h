@@ -66,6 +66,7 @@ cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
 
   const FlashFwdScalars scalars = make_scalars(p);
   Params params{
+      {},  // no extra parameters (ExtraParams<false>)
       make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(q, p.s_q, p.d, p.h, p.b),
                     typename Traits::SmemLayoutQ{}, typename Params::TileQ{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(k, s_k_desc, p.d, h_k_desc, p.b),

@@ -37,7 +37,14 @@ __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
   // Coordinate tensors of the TMA descriptors (no pointers: TMA addresses by coordinates).
   Tensor mQ = p.tma_q.get_tma_tensor(GmemShape(sc.s_q, sc.d, sc.h, sc.b));
   Tensor mK = p.tma_k.get_tma_tensor(GmemShape(sc.s_k, sc.d, sc.h_k, sc.b));
-  Tensor mV = p.tma_v.get_tma_tensor(GmemShape(sc.s_k, sc.d, sc.h_k, sc.b));
+  // fp8: V^T (d, s_pad, h_k, b) from the transpose pre-pass (fp8_vt.h), keys contiguous.
+  Tensor mV = [&] {
+    if constexpr (Traits::kFp8) {
+      return p.tma_v.get_tma_tensor(GmemShape(sc.d, p.s_pad, sc.h_k, sc.b));
+    } else {
+      return p.tma_v.get_tma_tensor(GmemShape(sc.s_k, sc.d, sc.h_k, sc.b));
+    }
+  }();
   const int group = sc.h / sc.h_k;  // GQA: query heads per kv head
 
   PipelineState<Traits::kStages> kv;
@@ -51,8 +58,15 @@ __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
                            make_coord(c.m_block, _0{}));                       // (M, D)
     Tensor gK = local_tile(mK(_, _, kv_head, c.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                            make_coord(_, _0{}));                               // (N, D, n)
-    Tensor gV = local_tile(mV(_, _, kv_head, c.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
-                           make_coord(_, _0{}));
+    Tensor gV = [&] {
+      if constexpr (Traits::kFp8) {
+        return local_tile(mV(_, _, kv_head, c.batch), Shape<Int<kHeadDim>, Int<kBlockN>>{},
+                          make_coord(_0{}, _));                                // (D, N, n)
+      } else {
+        return local_tile(mV(_, _, kv_head, c.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                          make_coord(_, _0{}));                                // (N, D, n)
+      }
+    }();
     // (TMA, n) source and (TMA, stage) destination views; std::get, not structured bindings,
     // because the lambdas below capture them (C++17).
     auto q_part = tma_partition(p.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),

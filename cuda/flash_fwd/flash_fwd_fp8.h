@@ -1,0 +1,88 @@
+// Host entry point of the fp8 (e4m3) forward kernel. Plain C++ (no CuTe): the FFI handler
+// includes it. Numerics: jax_fa3/fp8.py (module docstring); design: cuda/flash_fwd/README.md.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace jax_fa3 {
+
+struct FlashFwdFp8Params {
+  // q8 (b, s_q, h, d), k8/v8 (b, s_k, h_k, d) e4m3, contiguous; o (b, s_q, h, d) bf16;
+  // lse (b, h, s_q) f32; q_scale (b, h, ceil(s_q / block_size)), k_scale (b, h_k,
+  // ceil(s_k / block_size)), v_scale (b, h_k) f32.
+  const void* q;
+  const void* k;
+  const void* v;
+  const float* q_scale;
+  const float* k_scale;
+  const float* v_scale;
+  void* o;
+  float* lse;
+  void* workspace;  // flash_fwd_fp8_workspace_bytes(b, h_k, s_k, d) bytes, 16-byte aligned
+  int b, s_q, s_k, h, h_k, d;
+  int block_size;
+  float softmax_scale;
+  int window_left;   // -1 = unbounded
+  int window_right;  // -1 = unbounded; causal arrives as 0
+};
+
+// Keys of the transposed V copy: s_k rounded up to whole 32-key permutation groups.
+inline int64_t flash_fwd_fp8_key_pad(int64_t s_k) { return (s_k + 31) / 32 * 32; }
+
+// Workspace: Vt (b, h_k, d, s_pad) e4m3, then the per-key k scales (b, h_k, s_pad) f32.
+// Keep in sync with jax_fa3/fp8.py (_kernel_workspace_bytes).
+inline size_t flash_fwd_fp8_workspace_bytes(int64_t b, int64_t h_k, int64_t s_k, int64_t d) {
+  const int64_t s_pad = flash_fwd_fp8_key_pad(s_k);
+  return static_cast<size_t>(b * h_k * s_pad * (d + 4));
+}
+
+// Head-dim buckets with an fp8 kernel (a head dim runs in the smallest compiled one >= d).
+constexpr int kFp8HeadDimBuckets[] = {64, 128, 256};
+
+inline bool fp8_kernel_compiled(int bucket) {
+  switch (bucket) {
+#ifdef JAX_FA3_HAS_HDIM64
+    case 64: return true;
+#endif
+#ifdef JAX_FA3_HAS_HDIM128
+    case 128: return true;
+#endif
+#ifdef JAX_FA3_HAS_HDIM256
+    case 256: return true;
+#endif
+    default: return false;
+  }
+}
+
+// The compiled fp8 bucket that runs head dim d, or 0 if none.
+inline int fp8_head_dim_bucket(int d) {
+  if (d <= 0 || d % 16 != 0) return 0;
+  for (int bucket : kFp8HeadDimBuckets) {
+    if (d <= bucket && fp8_kernel_compiled(bucket)) return bucket;
+  }
+  return 0;
+}
+
+// One specialization per cuda/instantiations/flash_fwd_hdim<D>_e4m3.cu.
+template <int kHeadDim>
+cudaError_t run_flash_fwd_fp8(const FlashFwdFp8Params& params, cudaStream_t stream);
+
+// cudaErrorNotSupported when no fp8 kernel runs p.d (callers check fp8_head_dim_bucket first).
+inline cudaError_t launch_flash_fwd_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
+  switch (fp8_head_dim_bucket(p.d)) {
+#ifdef JAX_FA3_HAS_HDIM64
+    case 64: return run_flash_fwd_fp8<64>(p, stream);
+#endif
+#ifdef JAX_FA3_HAS_HDIM128
+    case 128: return run_flash_fwd_fp8<128>(p, stream);
+#endif
+#ifdef JAX_FA3_HAS_HDIM256
+    case 256: return run_flash_fwd_fp8<256>(p, stream);
+#endif
+    default: return cudaErrorNotSupported;
+  }
+}
+
+}  // namespace jax_fa3

@@ -1,0 +1,132 @@
+// Host side of one fp8 instantiation: the V transpose pre-pass, TMA descriptors, launch.
+// Included only by cuda/instantiations/flash_fwd_hdim<D>_e4m3.cu.
+#pragma once
+#include "flash_fwd/cute_config.h"
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cuda_runtime.h>
+#include <cute/tensor.hpp>
+
+#include "common/cuda_check.h"
+#include "flash_fwd/flash_fwd_fp8.h"
+#include "flash_fwd/fp8_traits.h"
+#include "flash_fwd/fp8_vt.h"
+#include "flash_fwd/kernel.h"
+#include "flash_fwd/launch.h"
+
+namespace jax_fa3::fwd {
+
+// Vt (d, s_pad, h_k, b) as a (seq-like, d-like) gmem view: mode 0 = d (stride s_pad), mode 1 =
+// keys (contiguous). Same stride type as make_gmem_tensor, so the TMA types match KernelParams.
+template <class Element>
+auto make_vt_gmem_tensor(Element* ptr, int d, int s_pad, int h_k, int b) {
+  const int64_t head = int64_t(d) * s_pad;
+  return make_tensor(make_gmem_ptr(ptr), GmemShape(d, s_pad, h_k, b),
+                     GmemStride(int64_t(s_pad), _1{}, head, head * h_k));
+}
+
+template <int kHeadDim>
+cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
+  using Traits = Fp8KernelTraits<kHeadDim>;
+  using Params = KernelParams<Traits>;
+  using Element = typename Traits::Element;
+  using ElementOut = typename Traits::ElementOut;
+  if (p.b == 0 || p.s_q == 0 || p.h == 0) return cudaSuccess;
+  if (p.d > kHeadDim || p.d % 16 != 0 || p.block_size < 1 || p.h_k < 1 || p.h % p.h_k != 0) {
+    return cudaErrorInvalidValue;
+  }
+  for (const void* ptr : {p.q, p.k, p.v, static_cast<const void*>(p.o),
+                          static_cast<const void*>(p.workspace)}) {
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0 && ptr != nullptr) {
+      return cudaErrorMisalignedAddress;
+    }
+  }
+
+  const bool no_keys = p.s_k == 0;
+  const int s_pad = static_cast<int>(flash_fwd_fp8_key_pad(p.s_k));
+  auto* vt = static_cast<uint8_t*>(p.workspace);
+  auto* k_col = reinterpret_cast<float*>(vt + int64_t(p.b) * p.h_k * p.d * s_pad);
+  if (!no_keys) {
+    const dim3 grid((s_pad + kVtTileKeys - 1) / kVtTileKeys, (p.d + kVtTileDims - 1) / kVtTileDims,
+                    p.b * p.h_k);
+    const int num_k_blocks = (p.s_k + p.block_size - 1) / p.block_size;
+    fp8_transpose_v_kernel<<<grid, kVtThreads, 0, stream>>>(
+        static_cast<const uint8_t*>(p.v), p.k_scale, vt, k_col, p.s_k, p.h_k, p.d, s_pad,
+        p.block_size, num_k_blocks);
+    JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+  }
+
+  // With s_k == 0 no K/V block is ever loaded (every row is empty: O = 0, LSE = +inf), so the K
+  // and Vt descriptors over Q's memory with tiny extents are never dereferenced.
+  const auto* q = static_cast<const Element*>(p.q);
+  const auto* k = no_keys ? q : static_cast<const Element*>(p.k);
+  const auto* vt_e = no_keys ? q : reinterpret_cast<const Element*>(vt);
+  const int s_k_desc = no_keys ? 1 : p.s_k;
+  const int h_k_desc = no_keys ? 1 : p.h_k;
+  const int b_desc = no_keys ? 1 : p.b;
+  const int s_pad_desc = no_keys ? 16 : s_pad;
+  const int d_desc = no_keys ? 1 : p.d;
+
+  FlashFwdParams common{};
+  common.b = p.b;
+  common.s_q = p.s_q;
+  common.s_k = p.s_k;
+  common.h = p.h;
+  common.h_k = p.h_k;
+  common.d = p.d;
+  common.softmax_scale = p.softmax_scale;
+  common.softcap = 0.f;
+  common.window_left = p.window_left;
+  common.window_right = p.window_right;
+  common.lse = p.lse;
+  const FlashFwdScalars scalars = make_scalars(common);
+
+  ExtraParams<true> extra;
+  extra.q_scale = p.q_scale;
+  extra.k_col_scale = k_col;
+  extra.v_scale = p.v_scale;
+  extra.num_q_blocks = (p.s_q + p.block_size - 1) / p.block_size;
+  extra.block_size = p.block_size;
+  extra.s_pad = s_pad;
+  extra.scale_log2 = scalars.scale_log2;  // softmax_scale * log2(e) (no softcap in fp8)
+
+  Params params{
+      extra,
+      make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(q, p.s_q, p.d, p.h, p.b),
+                    typename Traits::SmemLayoutQ{}, typename Params::TileQ{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(k, s_k_desc, p.d, h_k_desc, p.b),
+                    take<0, 2>(typename Traits::SmemLayoutK{}), typename Params::TileKV{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, make_vt_gmem_tensor(vt_e, d_desc, s_pad_desc, h_k_desc, b_desc),
+                    take<0, 2>(typename Traits::SmemLayoutV{}), typename Params::TileV{}, _1{}),
+      make_tma_copy(SM90_TMA_STORE{},
+                    make_gmem_tensor(static_cast<ElementOut*>(p.o), p.s_q, p.d, p.h, p.b),
+                    typename Traits::SmemLayoutO{}, typename Params::TileQ{}, _1{}),
+      scalars,
+      TileScheduler(p.s_q, Traits::kBlockM, p.h, p.b,
+                    scalars.window_left >= 0 || scalars.window_right >= 0)};
+
+  int device = 0;
+  int num_sms = 0;
+  JAX_FA3_RETURN_IF_CUDA_ERROR(cudaGetDevice(&device));
+  JAX_FA3_RETURN_IF_CUDA_ERROR(
+      cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  const int grid = std::min(num_sms, params.scheduler.num_tiles);
+
+  auto* kernel = &flash_fwd_kernel<Traits>;
+  JAX_FA3_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
+  kernel<<<grid, Traits::kNumThreads, Traits::kSmemBytes, stream>>>(params);
+  JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+  return cudaSuccess;
+}
+
+}  // namespace jax_fa3::fwd
+
+namespace jax_fa3 {
+// Explicitly instantiated once per cuda/instantiations/flash_fwd_hdim<D>_e4m3.cu.
+template <int kHeadDim>
+cudaError_t run_flash_fwd_fp8(const FlashFwdFp8Params& params, cudaStream_t stream) {
+  return fwd::launch_fp8<kHeadDim>(params, stream);
+}
+}  // namespace jax_fa3

@@ -1,0 +1,116 @@
+// Compile-time shape of the fp8 (e4m3) forward: the same member names as KernelTraits
+// (kernel_traits.h), so the producer / consumer / epilogue templates run it unchanged except for
+// their `if constexpr (Traits::kFp8)` branches.
+//
+// Differences from the 16-bit traits:
+// - Element e4m3, ElementOut bf16; k32 GMMA atoms (QGMMA) for both GEMMs.
+// - fp8 wgmma needs both shared-memory operands K-major. For O += P V the K dimension is the keys,
+//   so V arrives from a transposed copy Vt (b, h_k, d, s_pad) made by a pre-pass (fp8_vt.h) with
+//   the keys permuted inside groups of 32 (fp8_layout.h), and its smem tile is (d, kBlockN)
+//   keys-contiguous. P stays in registers (RS form).
+// - O (bf16) cannot be staged in Q's fp8 buffer (half the bytes): it has its own buffer.
+#pragma once
+#include "flash_fwd/cute_config.h"
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_atom.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "flash_fwd/kernel_traits.h"
+
+namespace jax_fa3::fwd {
+
+using namespace cute;
+
+// kBlockN per head dim for fp8. Registers per consumer thread (fp32 S kBlockN/2, e4m3 P kBlockN/8,
+// fp32 O d/2) and smem (Q 128*d + 2 stages of K and Vt kBlockN*d, all 1 byte, + O bf16 128*d*2):
+//   d64 : 128x128  S 64 + P 16 + O  32 (overlap)   8K + 2*2*8K  + 16K =  56 KB
+//   d128: 128x128  S 64 + P 16 + O  64 (overlap)  16K + 2*2*16K + 32K = 112 KB
+//   d256: 128x96   S 48 + P 12 + O 128 (plain)    32K + 2*2*24K + 64K = 192 KB
+//         (128x128 spilled 76 B with ptxas 13.0: S 64 + P 16 + O 128 plus the scale state)
+// (FA3 uses 192x160 / 128x224 / 128x128; wider tiles here are a tuning step for the GPU.)
+template <int kHeadDim> struct BlockNFp8;
+template <> struct BlockNFp8<64> { static constexpr int value = 128; };
+template <> struct BlockNFp8<128> { static constexpr int value = 128; };
+template <> struct BlockNFp8<256> { static constexpr int value = 96; };
+
+// The widest GMMA K-major swizzle whose row (in bytes) divides `width` elements of Element.
+template <typename Element, int kWidth>
+constexpr auto smem_atom_k_major_bytes() {
+  constexpr int kBytes = kWidth * int(sizeof(Element));
+  if constexpr (kBytes % 128 == 0) {
+    return GMMA::Layout_K_SW128_Atom<Element>{};
+  } else if constexpr (kBytes % 64 == 0) {
+    return GMMA::Layout_K_SW64_Atom<Element>{};
+  } else {
+    return GMMA::Layout_K_SW32_Atom<Element>{};
+  }
+}
+
+template <int kHeadDim_>
+struct Fp8KernelTraits {
+  using Element = cutlass::float_e4m3_t;
+  using ElementOut = cutlass::bfloat16_t;
+  using ElementAccum = float;
+  static constexpr bool kFp8 = true;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = BlockNFp8<kHeadDim>::value;
+  static constexpr int kStages = 2;
+  // As for 16-bit: S(n) + P(n+1) + O live together only where O is small enough.
+  static constexpr bool kIntraWgOverlap = kHeadDim <= 128;
+  static constexpr int kNumConsumerWarpGroups = kBlockM / 64;
+  static constexpr int kNumThreads = 128 * (kNumConsumerWarpGroups + 1);
+  static constexpr int kNumConsumerThreads = 128 * kNumConsumerWarpGroups;
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+
+  static_assert(kBlockN % 32 == 0, "kBlockN is the K of the fp8 PV wgmma (k32 steps)");
+  static_assert(kHeadDim % 32 == 0, "head dim is the K of the fp8 QK wgmma (k32 steps)");
+
+  using TileShape = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
+
+  // S = Q K^T: SS, both K-major (d contiguous).
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      Layout<Shape<Int<kNumConsumerWarpGroups>, _1, _1>>{}));
+  // O += P Vt: P from registers, Vt (d, keys) K-major (keys contiguous).
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::K>(),
+      Layout<Shape<Int<kNumConsumerWarpGroups>, _1, _1>>{}));
+
+  using SmemAtomQK = decltype(smem_atom_k_major_bytes<Element, kHeadDim>());
+  using SmemAtomVt = decltype(smem_atom_k_major_bytes<Element, kBlockN>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQK{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(
+      SmemAtomQK{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  // (d, kBlockN, stage), keys contiguous: TMA destination and the PV GEMM's B operand.
+  using SmemLayoutVt = decltype(tile_to_shape(
+      SmemAtomVt{}, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
+  using SmemLayoutV = SmemLayoutVt;
+  using SmemLayoutO = decltype(tile_to_shape(smem_atom_k_major_bytes<ElementOut, kHeadDim>(),
+                                             Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  struct SharedStorage {
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
+    alignas(1024) cute::array_aligned<ElementOut, cosize_v<SmemLayoutO>, 1024> o;
+    uint64_t q_full;
+    uint64_t q_empty;
+    uint64_t k_full[kStages];
+    uint64_t k_empty[kStages];
+    uint64_t v_full[kStages];
+    uint64_t v_empty[kStages];
+  };
+  // O has its own buffer, but q_empty still waits for the TMA store (producer.h): that keeps the
+  // O buffer from being overwritten by the next tile before the store has read it.
+  __device__ __forceinline__ static ElementOut* o_smem(SharedStorage& ss) { return ss.o.data(); }
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 232448, "shared memory over the 227 KB per-block limit");
+};
+
+}  // namespace jax_fa3::fwd

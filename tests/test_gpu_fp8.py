@@ -1,0 +1,248 @@
+"""The fp8 (e4m3) forward kernel `jax_fa3_flash_fwd_fp8` on Hopper (GPU only).
+
+Every case runs the kernel on pre-quantized inputs and compares it with
+1. the pure-JAX emulation of the same numerics (`jax_fa3.fp8._emulated_forward`, on the host CPU,
+   with the kernel's key tile width, so P is quantized at the same running max), and
+2. a float64 reference of the unquantized attention (tests/oracle.py).
+
+Tolerances. The kernel and the emulation quantize the same e4m3 inputs and P the same way; they
+differ in (a) the fp8 tensor cores' accumulation (Hopper keeps only ~14 bits of the partial sums of
+an fp8 wgmma: ~1e-4 relative on S and on Σ P·V), (b) ex2.approx vs XLA's exp2 and the float32
+operation order, which flip an e4m3 rounding of P (one e4m3 step = 2^-3 relative) for the rare P
+near a rounding boundary, and (c) the shared bf16 output rounding (2^-9 relative). Summed over a
+row this is well below 1e-2 of the output's RMS, while the fp8 error itself (emulation vs float64)
+is ~5e-2 on N(0, 1) data (tests/test_fp8.py); so:
+  - RMS(kernel - emulation) <= 1e-2 · RMS(emulation)   (a wrong key permutation, scale or mask
+    gives errors of order 1);
+  - RMSE(kernel vs float64) <= 1.1 · RMSE(emulation vs float64) + 1e-3 · RMS(ref): independent
+    errors add in quadrature, sqrt(0.05^2 + 0.01^2) = 1.02 · 0.05;
+  - LSE vs the emulation: 2e-3 absolute + 1e-3 relative (S error ~1e-4 · |S|, |S| <~ 10 here);
+    +inf exactly where the emulation (and the reference) has an empty row.
+All kernel outputs are NaN-poisoned before the kernel runs (JAX_FA3_DEBUG_POISON_OUTPUTS=1), so an
+unwritten element fails the finiteness checks.
+"""
+import functools
+import os
+
+os.environ["JAX_FA3_DEBUG_POISON_OUTPUTS"] = "1"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from jax_fa3 import fp8  # noqa: E402
+from jax_fa3._config import AttentionConfig  # noqa: E402
+from ffi_probe import ffi_error_message  # noqa: E402
+from oracle import attention_oracle  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# Key tile of the kernel per head-dim bucket (cuda/flash_fwd/fp8_traits.h BlockNFp8): the
+# emulation quantizes P against the running max of the same tiles.
+KERNEL_BLOCK_N = {64: 128, 128: 128, 256: 96}
+
+
+def _bucket(d):
+  return next(b for b in (64, 128, 256) if d <= b)
+
+
+def _cpu():
+  return jax.devices("cpu")[0]
+
+
+def _case(seed, b, s_q, s_k, h, h_k, d, block_size):
+  """Float inputs (host numpy) and their quantized forms (on the default device)."""
+  rng = np.random.default_rng(seed)
+  q = rng.standard_normal((b, s_q, h, d)).astype(np.float32)
+  k = rng.standard_normal((b, s_k, h_k, d)).astype(np.float32)
+  v = rng.standard_normal((b, s_k, h_k, d)).astype(np.float32)
+  q8, q_scale = fp8.quantize_fp8(jnp.asarray(q), block_size=block_size)
+  k8, k_scale = fp8.quantize_fp8(jnp.asarray(k), block_size=block_size)
+  v8, v_scale = fp8.quantize_fp8(jnp.asarray(v), block_size=None)
+  return (q, k, v), (q8, k8, v8, q_scale, k_scale, v_scale[..., 0])
+
+
+def _config(d, causal, window, block_size):
+  left, right = window
+  if causal:
+    right = 0
+  att = AttentionConfig(softmax_scale=d**-0.5, window_left=left, window_right=right)
+  return fp8.Fp8Config(att, block_size=block_size, incoherent=False, return_lse=False,
+                       tile_k=KERNEL_BLOCK_N[_bucket(d)])
+
+
+@functools.partial(jax.jit, static_argnums=(6,))
+def _emulate(q8, k8, v8, q_scale, k_scale, v_scale, cfg):
+  return fp8._emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg)
+
+
+def _rms(x):
+  return float(np.sqrt(np.mean(np.square(x, dtype=np.float64))))
+
+
+def _check(seed, b, s_q, s_k, h, h_k, d, *, causal=False, window=(-1, -1), block_size=64):
+  floats, quantized = _case(seed, b, s_q, s_k, h, h_k, d, block_size)
+  cfg = _config(d, causal, window, block_size)
+  fn = jax.jit(lambda *a: fp8.fp8_forward(*a, cfg))
+  assert fp8.KERNEL_TARGET in fn.lower(*quantized).as_text(), "fp8 kernel not dispatched"
+  out, lse = fn(*quantized)
+  out2, lse2 = fn(*quantized)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))  # deterministic
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))
+  assert out.dtype == jnp.bfloat16 and out.shape == (b, s_q, h, d)
+  assert lse.dtype == jnp.float32 and lse.shape == (b, h, s_q)
+
+  with jax.default_device(_cpu()):
+    emu_out, emu_lse = _emulate(*[jax.device_put(x, _cpu()) for x in quantized], cfg)
+  emu_out = np.asarray(emu_out, np.float64)
+  emu_lse = np.asarray(emu_lse, np.float64)
+  ref, ref_lse = attention_oracle(*floats, softmax_scale=cfg.attention.softmax_scale,
+                                  window_left=cfg.attention.window_left,
+                                  window_right=cfg.attention.window_right)
+  out = np.asarray(out, np.float64)
+  lse = np.asarray(lse, np.float64)
+  assert np.all(np.isfinite(out)), "non-finite output (unwritten or NaN)"
+
+  # Rows with no visible key: output 0, lse +inf (the emulation and the reference agree).
+  empty = np.isposinf(emu_lse)
+  np.testing.assert_array_equal(np.isposinf(lse), empty)
+  np.testing.assert_array_equal(np.isposinf(ref_lse), empty)
+  empty_rows = np.swapaxes(empty, 1, 2)  # (b, s_q, h)
+  assert np.all(out[empty_rows] == 0)
+
+  scale = max(_rms(ref), 1e-30)
+  diff = _rms(out - emu_out)
+  assert diff <= 1e-2 * max(_rms(emu_out), 1e-30), (diff, _rms(emu_out))
+  kernel_err, emu_err = _rms(out - ref), _rms(emu_out - ref)
+  assert kernel_err <= 1.1 * emu_err + 1e-3 * scale, (kernel_err, emu_err)
+  finite = ~empty
+  np.testing.assert_allclose(lse[finite], emu_lse[finite], atol=2e-3, rtol=1e-3)
+  return kernel_err / scale
+
+
+SEQLENS = [(1, 1), (63, 63), (65, 65), (1000, 1000), (4097, 4097), (128, 1000), (1000, 128),
+           (1, 4097), (65, 4097)]
+
+
+@pytest.mark.parametrize("s_q,s_k", SEQLENS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_seqlens(s_q, s_k, causal):
+  _check(s_q * 7 + s_k, 2, s_q, s_k, 4, 2, 128, causal=causal)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256, 32, 80, 192])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_head_dims(d, causal):
+  # 32 runs in the d64 kernel, 80 in d128, 192 in d256 (zero-filled padding columns).
+  rel = _check(d + causal, 2, 333, 517, 4, 2, d, causal=causal)
+  assert 0.02 < rel < 0.08, rel  # the fp8 error is really there and nothing else is lost
+
+
+@pytest.mark.parametrize("window", [(64, 0), (100, 30), (-1, 17), (0, 0), (5, 5)])
+def test_fp8_windows(window):
+  _check(3, 1, 700, 900, 8, 2, 128, window=window)
+
+
+@pytest.mark.parametrize("h,h_k", [(8, 1), (8, 2), (6, 6), (6, 3)])
+@pytest.mark.parametrize("d", [64, 256])
+def test_fp8_gqa(h, h_k, d):
+  _check(h * 10 + h_k, 3, 257, 300, h, h_k, d, causal=True)
+
+
+@pytest.mark.parametrize("block_size", [32, 128, 1, 100, 5000])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_block_sizes(block_size, causal):
+  # 1: a scale per token; 100: blocks that straddle key tiles; 5000: one block for everything.
+  _check(block_size, 2, 1000, 777, 4, 4, 128, causal=causal, block_size=block_size)
+
+
+@pytest.mark.parametrize("b,h", [(1, 1), (48, 16)])
+def test_fp8_grid_sizes(b, h):
+  # One tile (most SMs idle) and far more tiles than SMs (persistent scheduling wraps around).
+  _check(b + h, b, 256 if b > 1 else 2048, 256 if b > 1 else 2048, h, h, 128, causal=b > 1)
+
+
+def test_fp8_scales_are_applied_per_row_and_column():
+  # Blocks whose scales differ by orders of magnitude: a kernel that used one scale per head (or
+  # indexed the wrong block) would be far off the emulation.
+  rng = np.random.default_rng(7)
+  b, s, h, d, bs = 1, 512, 2, 128, 64
+  # Scales spread over e^±2 per block (two orders of magnitude) while the scores stay O(10), so
+  # the fp8 accumulator's ~1e-4 relative error keeps the kernel within 1e-2 of the emulation.
+  growth = np.exp(rng.uniform(-2, 2, (1, s // bs, 1, 1))).repeat(bs, axis=1)
+  q = (rng.standard_normal((b, s, h, d)) * growth).astype(np.float32)
+  k = (rng.standard_normal((b, s, h, d)) * growth[:, ::-1]).astype(np.float32) * 0.3
+  v = rng.standard_normal((b, s, h, d)).astype(np.float32) * 30.0
+  q8, q_scale = fp8.quantize_fp8(jnp.asarray(q), block_size=bs)
+  k8, k_scale = fp8.quantize_fp8(jnp.asarray(k), block_size=bs)
+  v8, v_scale = fp8.quantize_fp8(jnp.asarray(v), block_size=None)
+  quantized = (q8, k8, v8, q_scale, k_scale, v_scale[..., 0])
+  cfg = _config(d, False, (-1, -1), bs)
+  out, lse = jax.jit(lambda *a: fp8.fp8_forward(*a, cfg))(*quantized)
+  with jax.default_device(_cpu()):
+    emu_out, emu_lse = _emulate(*[jax.device_put(x, _cpu()) for x in quantized], cfg)
+  out, emu_out = np.asarray(out, np.float64), np.asarray(emu_out, np.float64)
+  assert _rms(out - emu_out) <= 1e-2 * _rms(emu_out)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(emu_lse), atol=2e-3, rtol=1e-3)
+
+
+def test_fp8_public_api_uses_the_kernel():
+  rng = np.random.default_rng(1)
+  q, k, v = (jnp.asarray(rng.standard_normal((2, 300, 4, 128)), jnp.bfloat16) for _ in range(3))
+  fn = jax.jit(lambda q, k, v: fp8.flash_attention_fp8(q, k, v, causal=True))
+  assert fp8.KERNEL_TARGET in fn.lower(q, k, v).as_text()
+  out = fn(q, k, v)
+  ref, _ = attention_oracle(*(np.asarray(x, np.float64) for x in (q, k, v)), softmax_scale=128**-0.5,
+                            window_right=0)
+  rel = _rms(np.asarray(out, np.float64) - ref) / _rms(ref)
+  assert rel < 0.08, rel
+
+
+def test_fp8_head_dim_without_kernel_falls_back_to_emulation():
+  # d = 24 is not a multiple of 16 (fp8 TMA rows): Python routes it to the emulation.
+  floats, quantized = _case(0, 1, 100, 100, 2, 2, 24, 64)
+  cfg = _config(24, True, (-1, -1), 64)
+  fn = jax.jit(lambda *a: fp8.fp8_forward(*a, cfg))
+  assert fp8.KERNEL_TARGET not in fn.lower(*quantized).as_text()
+  out, _ = fn(*quantized)
+  assert np.all(np.isfinite(np.asarray(out, np.float32)))
+
+
+_FFI_CALL = """
+    def f8(shape):
+      return jnp.ones(shape, jnp.float8_e4m3fn)
+    def call(q, k, v, qs, ks, vs, out_shape=None, ws=None, block_size=64, d_out=None):
+      b, s_q, h, d = q.shape
+      ws = ws if ws is not None else 1 << 20
+      res = (jax.ShapeDtypeStruct(out_shape or q.shape, jnp.bfloat16),
+             jax.ShapeDtypeStruct((b, h, s_q), jnp.float32),
+             jax.ShapeDtypeStruct((ws,), jnp.uint8))
+      return lambda: jax.ffi.ffi_call("jax_fa3_flash_fwd_fp8", res)(
+          q, k, v, qs, ks, vs, softmax_scale=np.float32(0.125), window_left=np.int32(-1),
+          window_right=np.int32(-1), block_size=np.int32(block_size))
+    ones = lambda *s: jnp.ones(s, jnp.float32)
+"""
+
+
+@pytest.mark.parametrize("body,expected", [
+    ("result = call(f8((1, 8, 4, 64)), f8((1, 8, 3, 64)), f8((1, 8, 3, 64)), ones(1, 4, 1), "
+     "ones(1, 3, 1), ones(1, 3))", "heads"),
+    ("result = call(jnp.ones((1, 8, 4, 64), jnp.bfloat16), f8((1, 8, 4, 64)), f8((1, 8, 4, 64)), "
+     "ones(1, 4, 1), ones(1, 4, 1), ones(1, 4))", "q must be float8_e4m3fn"),
+    ("result = call(f8((1, 8, 4, 64)), f8((1, 8, 4, 64)), f8((1, 8, 4, 64)), ones(1, 4, 2), "
+     "ones(1, 4, 1), ones(1, 4))", "q_scale must have shape"),
+    ("result = call(f8((1, 8, 4, 64)), f8((1, 8, 4, 64)), f8((1, 8, 4, 64)), ones(1, 4, 1), "
+     "ones(1, 4, 1), ones(1, 4, 1))", "v_scale must have shape"),
+    ("result = call(f8((1, 8, 4, 64)), f8((1, 8, 4, 64)), f8((1, 8, 4, 64)), ones(1, 4, 8), "
+     "ones(1, 4, 8), ones(1, 4), block_size=0)", "block_size"),
+    ("result = call(f8((1, 8, 4, 64)), f8((1, 8, 4, 64)), f8((1, 8, 4, 64)), ones(1, 4, 1), "
+     "ones(1, 4, 1), ones(1, 4), ws=16)", "workspace"),
+    ("result = call(f8((1, 8, 4, 24)), f8((1, 8, 4, 24)), f8((1, 8, 4, 24)), ones(1, 4, 1), "
+     "ones(1, 4, 1), ones(1, 4))", "no fp8 kernel for head dim 24"),
+    ("result = call(f8((1, 8, 4, 64)), f8((1, 8, 4, 64)), f8((1, 8, 4, 64)), ones(1, 4, 1), "
+     "ones(1, 4, 1), ones(1, 4), out_shape=(1, 8, 4, 32))", "out must have q's shape"),
+])
+def test_fp8_ffi_handler_rejects_bad_calls(body, expected):
+  message = ffi_error_message(_FFI_CALL + "\n    " + body + "\n")
+  assert expected in message, message
