@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU validation step on a Hopper machine, each stage time-boxed, logs in $OUT (default
 # ./gpu_out): install (optionally with a kernels library built elsewhere), the GPU tests of the
-# forward, Hadamard and backward kernels (backward with JAX_FA3_BWD_KERNEL=1), compute-sanitizer
+# forward, Hadamard and backward kernels (the backward kernel is on by default), compute-sanitizer
 # memcheck and racecheck on small cases, and the backward benchmark at d=128.
 #
 #   tools/gpu_validate.sh [path/to/libjax_fa3_kernels.so]
@@ -33,13 +33,13 @@ if has fwd; then
   echo "== forward tests rc=$? $(elapsed)"
 fi
 if has bwd; then
-  JAX_FA3_BWD_KERNEL=1 timeout 400 pytest -q -rfE -p no:cacheprovider --durations=5 \
+  timeout 400 pytest -q -rfE -p no:cacheprovider --durations=5 \
     tests/test_gpu_backward.py 2>&1 | tee "$OUT/bwd_tests.log" | tail -20
   echo "== backward tests rc=$? $(elapsed)"
 fi
 if has sanitizer; then
   for tool in memcheck racecheck; do
-    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 JAX_FA3_BWD_KERNEL=1 \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_FLAGS=--xla_gpu_autotune_level=0 \
       timeout 150 compute-sanitizer --tool "$tool" --kernel-name kns=jax_fa3 --print-limit 20 \
       python3 benchmarks/sanitizer_cases.py --head-dims 64,128,256 --backward > "$OUT/sanitizer_$tool.log" 2>&1
     echo "== $tool rc=$? $(elapsed)"
@@ -47,14 +47,14 @@ if has sanitizer; then
   done
 fi
 if has bench; then
-  JAX_FA3_BWD_KERNEL=1 timeout 240 python3 benchmarks/bench_attention.py --head-dims 128 \
+  timeout 240 python3 benchmarks/bench_attention.py --head-dims 128 \
     --seqlens 2048,8192 --peers jax_fa3,cudnn,xla --min-time 0.05 --json "$OUT/bench_d128.json" --png "$OUT/bench_d128.png" \
     > "$OUT/bench_d128.log" 2>&1
   echo "== bench rc=$? $(elapsed)"
   tail -16 "$OUT/bench_d128.log"
 fi
 if has ring; then
-  JAX_FA3_BWD_KERNEL=1 timeout "${RING_TIMEOUT:-300}" python3 benchmarks/bench_ring.py \
+  timeout "${RING_TIMEOUT:-300}" python3 benchmarks/bench_ring.py \
     --json "$OUT/ring.json" > "$OUT/ring.log" 2>&1
   echo "== ring rc=$? $(elapsed)"
   tail -8 "$OUT/ring.log"
