@@ -49,4 +49,17 @@ struct BlockGeometry {
   }
 };
 
+// Whether the piece rows [row0, row0 + rows) x keys [col0, col0 + cols) may hold a hidden
+// (query, key) pair: a padded row or key, or a window bound crossing it. False means every pair is
+// visible and the kernel skips the per-element mask.
+JAX_FA3_HD bool piece_needs_mask(int row0, int rows, int col0, int cols, int s_q, int s_k, int off,
+                                 int window_left, int window_right) {
+  if (row0 + rows > s_q || col0 + cols > s_k) return true;
+  // Key j must satisfy i + off - wl <= j for every row i: the tightest is the last row.
+  if (window_left >= 0 && col0 < row0 + rows - 1 + off - window_left) return true;
+  // j <= i + off + wr for every row: the tightest is the first row against the last key.
+  if (window_right >= 0 && col0 + cols - 1 > row0 + off + window_right) return true;
+  return false;
+}
+
 }  // namespace jax_fa3::flash_bwd

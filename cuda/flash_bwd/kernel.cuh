@@ -325,44 +325,72 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       // S = Q K^T and dP = dO V^T for this warpgroup's kNS keys.
       wg_gemm<true>(mma_sdp, thr_sdp.partition_fragment_A(sQ), tSrK, tSrS);
       wg_gemm<true>(mma_sdp, thr_sdp.partition_fragment_A(sdO), tSrV, tSrdP);
-      // P = exp2(S * scale * log2e - lse * log2e) while the dP wgmma still runs (0 where masked:
-      // a select, so no inf/NaN reaches the GEMMs). With softcap, P and dS both need
-      // t = tanh(S * scale / cap): all of it waits for dP then (t would cost 32 more registers).
-      warpgroup_wait<1>();
-      warpgroup_fence_operand(tSrS);
+      // P = exp2(S * scale * log2e - lse * log2e) while the dP wgmma still runs, then
+      // dS = P (dP - D) [x (1 - t^2)] in place of dP. Specialised on softcap and on whether this
+      // (64-row, kNS-key) piece can hold a hidden pair at all: the per-element branches of one
+      // generic loop cost more issue slots than the GEMMs they sat between (SASS: ~1500
+      // instructions per warp per Q block, 5 branches per element).
       const float* lse_s = ss.lse_log2[stage];
       const float* dpsum_s = ss.dpsum[stage];
       const int row_base = m * kBlockM;
-      auto visible = [&](int i) {
-        const int gi = row_base + get<0>(tScS(i));
-        const int gj = col_base + get<1>(tScS(i));
-        return gi < p.s_q && gj < p.s_k && (wl < 0 || gj >= gi + off - wl) &&
-               (wr < 0 || gj <= gi + off + wr);
-      };
-      if (!p.has_softcap) {
+      // Each thread's S/dP accumulators cover two rows: element i is on the row of element
+      // 2 * ((i >> 1) & 1) (the GMMA C layout; checked on the host by tests/cuda/check_bwd_layouts.cu).
+      float lse_r[2], dd_r[2];
+      CUTE_UNROLL
+      for (int r = 0; r < 2; ++r) {
+        lse_r[r] = lse_s[get<0>(tScS(2 * r))];
+        dd_r[r] = dpsum_s[get<0>(tScS(2 * r))];
+      }
+      const bool need_mask = piece_needs_mask(row_base, kBlockM, col_base, kNS, p.s_q, p.s_k, off,
+                                              wl, wr);
+      auto p_and_ds = [&](auto softcap, auto mask) {
+        constexpr bool kSoftcap = decltype(softcap)::value;
+        constexpr bool kMask = decltype(mask)::value;
+        // Branch-free: & rather than && (short-circuits compiled to branches per element).
+        auto visible = [&](int i) {
+          const int gi = row_base + get<0>(tScS(i));
+          const int gj = col_base + get<1>(tScS(i));
+          return bool((gi < p.s_q) & (gj < p.s_k) & ((wl < 0) | (gj >= gi + off - wl)) &
+                      ((wr < 0) | (gj <= gi + off + wr)));
+        };
+        if constexpr (!kSoftcap) {
+          // 0 where masked: a select, so no inf/NaN reaches the GEMMs.
+          CUTE_UNROLL
+          for (int i = 0; i < size(tSrS); ++i) {
+            const float pv = exp2f(tSrS(i) * p.score_log2 - lse_r[(i >> 1) & 1]);
+            tSrS(i) = (!kMask || visible(i)) ? pv : 0.f;
+          }
+        }
+        // With softcap, P and dS both need t = tanh(S * scale / cap): all of it waits for dP
+        // (keeping t would cost 32 more registers).
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrdP);
         CUTE_UNROLL
         for (int i = 0; i < size(tSrS); ++i) {
-          const float pv = exp2f(tSrS(i) * p.score_log2 - lse_s[get<0>(tScS(i))]);
-          tSrS(i) = visible(i) ? pv : 0.f;
+          const float dd = dd_r[(i >> 1) & 1];
+          if constexpr (kSoftcap) {
+            const float t = tanh_fast(tSrS(i) * p.tanh_in_scale);
+            const float pv = exp2f(t * p.score_log2 - lse_r[(i >> 1) & 1]);
+            const bool vis = !kMask || visible(i);
+            tSrS(i) = vis ? pv : 0.f;
+            tSrdP(i) = vis ? pv * (tSrdP(i) - dd) * (1.f - t * t) : 0.f;
+          } else {
+            tSrdP(i) = tSrS(i) * (tSrdP(i) - dd);  // P is already 0 where masked
+          }
         }
-      }
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tSrdP);
-
-      // dS = P (dP - D) [x (1 - t^2)], in place of dP.
-      CUTE_UNROLL
-      for (int i = 0; i < size(tSrS); ++i) {
-        const int r = get<0>(tScS(i));
-        const float dd = dpsum_s[r];
-        if (p.has_softcap) {
-          const float t = tanh_fast(tSrS(i) * p.tanh_in_scale);
-          const float pv = exp2f(t * p.score_log2 - lse_s[r]);
-          const bool vis = visible(i);
-          tSrS(i) = vis ? pv : 0.f;
-          tSrdP(i) = vis ? pv * (tSrdP(i) - dd) * (1.f - t * t) : 0.f;
+      };
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(tSrS);
+      if (p.has_softcap) {
+        if (need_mask) {
+          p_and_ds(cute::true_type{}, cute::true_type{});
         } else {
-          tSrdP(i) = tSrS(i) * (tSrdP(i) - dd);  // P is already 0 where masked
+          p_and_ds(cute::true_type{}, cute::false_type{});
         }
+      } else if (need_mask) {
+        p_and_ds(cute::false_type{}, cute::true_type{});
+      } else {
+        p_and_ds(cute::false_type{}, cute::false_type{});
       }
 
       // Both warpgroups' wgmmas of the previous block have finished reading P and dS.

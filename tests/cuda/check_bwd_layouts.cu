@@ -52,6 +52,15 @@ int check_bucket() {
   for (int e = 0; e < kBlockM * kBlockN; ++e) {
     if (hits[e] != 1) { fail("P tile element not written exactly once", -1, -1, e); break; }
   }
+  // 1b. S/dP accumulator rows: the kernel loads LSE and D once per row, for elements 0 and 2,
+  // and gives element i the row of element 2 * ((i >> 1) & 1).
+  for (int t = 0; t < 128; ++t) {
+    auto thr = mma_sdp.get_thread_slice(t);
+    Tensor rc = thr.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kNS>>{}));
+    for (int i = 0; i < size(rc); ++i) {
+      if (get<0>(rc(i)) != get<0>(rc(2 * ((i >> 1) & 1)))) fail("S row of element i", 0, t, i);
+    }
+  }
 
   // 2. dQ fragment order.
   std::vector<int> cell(kBlockM * kHeadDim, 0), slot(Traits::kDqChunkFloats, 0);
