@@ -16,7 +16,9 @@ constexpr int kVtTileDims = 64;
 constexpr int kVtThreads = 256;
 
 // grid (ceil(s_pad / 64), ceil(d / 64), b * h_k), 256 threads. d % 16 == 0 (16-byte rows).
-__global__ void __launch_bounds__(kVtThreads)
+// static: every fp8 instantiation TU (one per head-dim bucket) includes this header and launches
+// its own copy; with external linkage the library's link failed on duplicate definitions.
+static __global__ void __launch_bounds__(kVtThreads)
     fp8_transpose_v_kernel(const uint8_t* __restrict__ v, const float* __restrict__ k_scale,
                            uint8_t* __restrict__ vt, float* __restrict__ k_col, int s_k, int h_k,
                            int d, int s_pad, int block_size, int num_k_blocks) {
