@@ -17,6 +17,9 @@ path emulates: same e4m3 rounding, same blocks, same scales):
 3. Scores: S = (q8 · k8) in float32 (each e4m3×e4m3 product is exact), then descaled per element by
    softmax_scale · q_scale[row block] · k_scale[column block].
 4. Softmax: online over key tiles (`EMULATION_TILE_K` = 128 keys here; the kernel's kBlockN there),
+   visited last tile first, as the kernel does (P is quantized relative to the running max, so the
+   tile order changes which e4m3 values P rounds to: in another order the output differs by ~3%
+   RMS, the size of the fp8 error itself),
    P = exp(S - running max) computed in the exp2 domain as the kernel does. P is quantized as
    e4m3(2^8 · P): P ∈ [0, 1] is shifted by FlashAttention-3's `Max_offset = 8` so that it uses
    e4m3's range [2^-9, 448] (P below 2^-18 rounds to zero, below 2^-14 is subnormal) — no
@@ -248,7 +251,8 @@ def _emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
   """Pure-JAX emulation of the kernel's numerics (see the module docstring). -> (out bf16, lse).
 
   All query rows at once (rows are independent, so query blocking cannot change the numerics;
-  memory is O(s_q · (d + tile_k)) per head), an online softmax over key tiles of cfg.tile_k.
+  memory is O(s_q · (d + tile_k)) per head), an online softmax over key tiles of cfg.tile_k, last
+  tile first (the kernel's order).
   """
   b, s_q, h, d = q8.shape
   s_k, h_k = k8.shape[1], k8.shape[2]
@@ -289,7 +293,7 @@ def _emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
   stats = (b, h_k, g, s_q)
   init = (jnp.full(stats, -jnp.inf, f32), jnp.zeros(stats, f32), jnp.zeros(stats + (d,), f32))
   (row_max, row_sum, acc), _ = lax.scan(
-      step, init, (k_tiles, col_tiles, v_tiles, jnp.arange(k_tiles.shape[0])))
+      step, init, (k_tiles, col_tiles, v_tiles, jnp.arange(k_tiles.shape[0])), reverse=True)
   empty = row_sum == 0  # no visible key: output 0, lse +inf
   safe_sum = jnp.where(empty, 1.0, row_sum)
   v_descale = v_scale[:, :, None, None] / p_offset  # (b, h_k, 1, 1)
