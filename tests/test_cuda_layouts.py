@@ -32,36 +32,29 @@ def _cutlass_include():
   return path if (path / "cute" / "tensor.hpp").exists() else None
 
 
-def test_backward_layout_facts_hold_for_every_bucket(tmp_path):
+def _compile_and_run(tmp_path, name: str) -> str:
+  """Builds tests/cuda/<name>.cu for the host with nvcc and the CuTe headers; returns its stdout."""
   nvcc, cutlass = _nvcc(), _cutlass_include()
   if nvcc is None or cutlass is None:
     pytest.skip(f"needs nvcc ({nvcc or 'not found'}) and the nvidia-cutlass headers "
                 f"({cutlass or 'not installed'})")
-  exe = tmp_path / "check_bwd_layouts"
+  exe = tmp_path / name
   build = subprocess.run(
       [nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-w", "-I", str(REPO / "cuda"), "-I",
-       str(cutlass), "-o", str(exe), str(REPO / "tests" / "cuda" / "check_bwd_layouts.cu")],
+       str(cutlass), "-o", str(exe), str(REPO / "tests" / "cuda" / f"{name}.cu")],
       capture_output=True, text=True, timeout=900)
   assert build.returncode == 0, build.stderr[-3000:]
   run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
   assert run.returncode == 0 and "FAILED" not in run.stdout, run.stdout
-  assert run.stdout.count(": ok") == 5, run.stdout
+  return run.stdout
+
+
+def test_backward_layout_facts_hold_for_every_bucket(tmp_path):
+  assert _compile_and_run(tmp_path, "check_bwd_layouts").count(": ok") == 5
 
 
 def test_fp8_forward_p_v_layout_fact_holds_for_every_bucket(tmp_path):
   """The fp8 forward packs P in place and permutes V's keys instead (cuda/flash_fwd/fp8_layout.h):
   tests/cuda/check_fp8_layouts.cu checks, with CuTe's fragment layouts, that every packed A slot
   holds the score of the key the permuted Vt stores there, and A·Vt == S·V on integers."""
-  nvcc, cutlass = _nvcc(), _cutlass_include()
-  if nvcc is None or cutlass is None:
-    pytest.skip(f"needs nvcc ({nvcc or 'not found'}) and the nvidia-cutlass headers "
-                f"({cutlass or 'not installed'})")
-  exe = tmp_path / "check_fp8_layouts"
-  build = subprocess.run(
-      [nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-w", "-I", str(REPO / "cuda"), "-I",
-       str(cutlass), "-o", str(exe), str(REPO / "tests" / "cuda" / "check_fp8_layouts.cu")],
-      capture_output=True, text=True, timeout=900)
-  assert build.returncode == 0, build.stderr[-3000:]
-  run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-  assert run.returncode == 0 and "FAILED" not in run.stdout, run.stdout
-  assert run.stdout.count(": ok") == 3, run.stdout
+  assert _compile_and_run(tmp_path, "check_fp8_layouts").count(": ok") == 3
