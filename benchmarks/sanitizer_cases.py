@@ -2,7 +2,7 @@
 
 Run under the sanitizer, restricted to our kernels, e.g.
 
-    JAX_FA3_BWD_KERNEL=1 compute-sanitizer --tool racecheck --kernel-name kns=jax_fa3 \
+    compute-sanitizer --tool racecheck --kernel-name kns=jax_fa3 \
         python benchmarks/sanitizer_cases.py
 
 Shapes are small (one to a few CTAs) but cover every tail path: ragged s_q/s_k, s_q != s_k,
