@@ -2,6 +2,8 @@
 
   ncu --clock-control none -k regex:flash_bwd_kernel --launch-skip 1 -c 1 --section ... \
       python benchmarks/profile_step.py --direction bwd --seqlen 8192 --head-dim 128
+
+--direction fp8 runs the e4m3 forward (its V transpose pre-pass is a second kernel).
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from jax_fa3 import _bench
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--direction", choices=("fwd", "bwd"), default="bwd")
+  parser.add_argument("--direction", choices=("fwd", "bwd", "fp8"), default="bwd",
+                      help="fp8: the e4m3 forward kernel on pre-quantized inputs (block size 64)")
   parser.add_argument("--seqlen", type=int, default=8192)
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--tokens", type=int, default=16384)
@@ -29,7 +32,17 @@ def main():
   q, k, v = _bench.random_qkv(jax.random.PRNGKey(0), b, s, h, d, jnp.bfloat16)
   do = jax.random.normal(jax.random.PRNGKey(1), q.shape, jnp.float32).astype(jnp.bfloat16)
   attention = lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=args.causal)
-  if args.direction == "fwd":
+  if args.direction == "fp8":
+    from jax_fa3 import fp8  # noqa: PLC0415
+    from jax_fa3._config import AttentionConfig  # noqa: PLC0415
+    q8, qs = fp8.quantize_fp8(q, block_size=64)
+    k8, ks = fp8.quantize_fp8(k, block_size=64)
+    v8, vs = fp8.quantize_fp8(v, block_size=None)
+    att = AttentionConfig(softmax_scale=d ** -0.5, window_left=-1,
+                          window_right=0 if args.causal else -1)
+    cfg = fp8.Fp8Config(att, block_size=64, incoherent=False, return_lse=False)
+    run = lambda: fp8.fp8_forward(q8, k8, v8, qs, ks, vs[..., 0], cfg)[0]
+  elif args.direction == "fwd":
     step = jax.jit(attention)
     run = lambda: step(q, k, v)
   else:

@@ -65,9 +65,15 @@ inline int fp8_head_dim_bucket(int d) {
   return 0;
 }
 
-// One specialization per cuda/instantiations/flash_fwd_hdim<D>_e4m3.cu.
+// One specialization per cuda/instantiations/flash_fwd_hdim<D>_e4m3.cu. The extern declarations
+// keep every other translation unit that sees the template's definition (fp8_launch.h) from
+// instantiating all buckets through launch_flash_fwd_fp8 below: each instantiation file then
+// compiles its own kernel only.
 template <int kHeadDim>
 cudaError_t run_flash_fwd_fp8(const FlashFwdFp8Params& params, cudaStream_t stream);
+extern template cudaError_t run_flash_fwd_fp8<64>(const FlashFwdFp8Params&, cudaStream_t);
+extern template cudaError_t run_flash_fwd_fp8<128>(const FlashFwdFp8Params&, cudaStream_t);
+extern template cudaError_t run_flash_fwd_fp8<256>(const FlashFwdFp8Params&, cudaStream_t);
 
 // cudaErrorNotSupported when no fp8 kernel runs p.d (callers check fp8_head_dim_bucket first).
 inline cudaError_t launch_flash_fwd_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
