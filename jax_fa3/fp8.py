@@ -15,7 +15,9 @@ path emulates: same e4m3 rounding, same blocks, same scales):
    smallest normal) and the values are e4m3(clip(x / scale, -448, 448)): a correctly rounded float32
    division, round to nearest even, saturating (CUDA's `__NV_SATFINITE`).
 3. Scores: S = (q8 · k8) in float32 (each e4m3×e4m3 product is exact), then descaled per element by
-   softmax_scale · q_scale[row block] · k_scale[column block].
+   the product (softmax_scale · log2(e) · q_scale[row block]) · k_scale[column block], which the
+   kernel folds into its exp2 FFMA (one coefficient per row and 32-key group when block_size is a
+   multiple of 32).
 4. Softmax: online over key tiles (`EMULATION_TILE_K` = 128 keys here; the kernel's kBlockN there),
    visited last tile first, as the kernel does (P is quantized relative to the running max, so the
    tile order changes which e4m3 values P rounds to: in another order the output differs by ~3%
@@ -275,7 +277,7 @@ def _emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
     k_tile, col_tile, v_tile, tile_index = inputs
     raw = jnp.einsum("bqhgd,bkhd->bhgqk", q, k_tile, precision=_HIGHEST)  # exact products
     col = jnp.einsum("bkh->bhk", col_tile)[:, :, None, None, :]  # (b, h_k, 1, 1, bk)
-    scores = raw * row * col  # descaled, log2 domain
+    scores = raw * (row * col)  # descaled, log2 domain: the kernel's per-(row, key) coefficient
     visible = _visible(s_q, s_k, att.window_left, att.window_right, tile_index * block_k,
                        block_k)
     scores = jnp.where(visible, scores, -jnp.inf)

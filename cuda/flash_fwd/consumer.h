@@ -96,6 +96,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   Tensor tOrP = make_tensor<typename Traits::Element>(
       partition_shape_A(mma_pv, Shape<Int<kBlockM>, Int<kBlockN>>{}));
   constexpr bool kFp8 = Traits::kFp8;
+  constexpr int kKeyGroups = kFp8 ? kBlockN / kFp8KeyScaleGroup : 1;
 
   const int thread_in_wg = thread_idx % 128;
   const FragCoord fc = FragCoord::of_thread(thread_in_wg);
@@ -116,6 +117,11 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     [[maybe_unused]] float row_scale[2];
     [[maybe_unused]] const float* col_scale = nullptr;
     [[maybe_unused]] float v_scale = 1.f;
+    // fp8 only: k scales of the kKeyGroups 32-key groups of the block being finished (ks_cur)
+    // and of the next block (ks_next), loaded one block ahead so that their L2 latency hides
+    // behind a whole block; all 1 for generic block sizes (descale_columns instead).
+    [[maybe_unused]] float ks_cur[kKeyGroups];
+    [[maybe_unused]] float ks_next[kKeyGroups];
     if constexpr (kFp8) {
       const int kv_head = c.head / (sc.h / sc.h_k);
       const int64_t bh_k = int64_t(c.batch) * sc.h_k + kv_head;
@@ -128,11 +134,24 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
       col_scale = p.k_col_scale + bh_k * p.s_pad;
       v_scale = __ldg(p.v_scale + bh_k);
     }
+    // Group g of block n_block starts at column n_block * kBlockN + 32 g; columns >= s_pad lie
+    // past every key (masked), any positive scale serves them.
+    auto load_key_group_scales = [&](int n_block, float (&ks)[kKeyGroups]) {
+      if constexpr (kFp8) {
+#pragma unroll
+        for (int g = 0; g < kKeyGroups; ++g) {
+          const int col = n_block * kBlockN + kFp8KeyScaleGroup * g;
+          const bool load = p.k_scale_grouped && n_block >= range.n_min && col < p.s_pad;
+          ks[g] = load ? __ldg(col_scale + col) : 1.f;
+        }
+      }
+    };
+    load_key_group_scales(range.n_max - 1, ks_cur);
 
     // Raw scores -> capped, masked scores, in place.
     auto finish_scores = [&](auto& tSrS, int n_block) {
       if constexpr (kFp8) {
-        descale_columns(tSrS, col_scale, n_block * kBlockN + fc.col0, p.s_pad);
+        if (!p.k_scale_grouped) descale_columns(tSrS, col_scale, n_block * kBlockN + fc.col0, p.s_pad);
       } else {
         if (use_softcap) apply_softcap(tSrS, sc.softcap_pre, sc.softcap);
       }
@@ -145,13 +164,23 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
 
     Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     clear(tOrO);
-    std::conditional_t<kFp8, Fp8OnlineSoftmax, OnlineSoftmax> softmax;
+    std::conditional_t<kFp8, Fp8OnlineSoftmax<kKeyGroups>, OnlineSoftmax> softmax;
     softmax.reset();
     float correction[2];
-    // The exp2 scale: one scalar (16-bit), or per row (fp8).
-    auto softmax_update = [&](auto& tSrS) {
+    // The exp2 scale: one scalar (16-bit), or per (row, key group) (fp8). n_block: the block
+    // being finished; fp8 starts the next block's scale loads here, before using this block's.
+    auto softmax_update = [&](auto& tSrS, int n_block) {
       if constexpr (kFp8) {
-        softmax.update(tSrS, row_scale, correction);
+        load_key_group_scales(n_block - 1, ks_next);
+        float coef[2][kKeyGroups];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+          for (int g = 0; g < kKeyGroups; ++g) coef[r][g] = row_scale[r] * ks_cur[g];
+        }
+        softmax.update(tSrS, coef, correction);
+#pragma unroll
+        for (int g = 0; g < kKeyGroups; ++g) ks_cur[g] = ks_next[g];
       } else {
         softmax.update(tSrS, sc.scale_log2, correction);
       }
@@ -178,8 +207,8 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
         warpgroup_wait<0>();
         release_stage(&ss.k_empty[kv.stage]);
         finish_scores(tSrS, n_block);
-        softmax_update(tSrS);
-        rescale_rows(tOrO, correction);
+        softmax_update(tSrS, n_block);
+        rescale_rows_if_changed(tOrO, correction);
         to_p(tSrS);
         mbar_wait(&ss.v_full[kv.stage], kv.phase);
         pingpong.wait_turn();
@@ -201,7 +230,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
         warpgroup_wait<0>();
         release_stage(&ss.k_empty[kv.stage]);
         finish_scores(tSrS, n_block);
-        softmax_update(tSrS);
+        softmax_update(tSrS, n_block);
         to_p(tSrS);
       }
       // Steady state (intra-warpgroup overlap): issue S(n) = QK^T and O += P(n+1) V(n+1), then do
@@ -220,10 +249,10 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
         warpgroup_wait<1>();  // S(n) done (batches complete in order), PV may still run
         release_stage(&ss.k_empty[kv.stage]);
         finish_scores(tSrS, n_block);
-        softmax_update(tSrS);
+        softmax_update(tSrS, n_block);
         warpgroup_wait<0>();  // PV done: P's registers and V's stage are free, O is final
         release_stage(&ss.v_empty[prev.stage]);
-        rescale_rows(tOrO, correction);
+        rescale_rows_if_changed(tOrO, correction);
         to_p(tSrS);
       }
       // Last PV.
@@ -239,7 +268,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
 
     float inv_sum[2], lse[2];
     if constexpr (kFp8) {
-      softmax.finalize(row_scale, v_scale, inv_sum, lse);
+      softmax.finalize(v_scale, inv_sum, lse);
     } else {
       softmax.finalize(sc.scale_log2, inv_sum, lse);
     }

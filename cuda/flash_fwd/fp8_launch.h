@@ -26,9 +26,9 @@ auto make_vt_gmem_tensor(Element* ptr, int d, int s_pad, int h_k, int b) {
                      GmemStride(int64_t(s_pad), _1{}, head, head * h_k));
 }
 
-template <int kHeadDim>
+template <class Traits>
 cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
-  using Traits = Fp8KernelTraits<kHeadDim>;
+  constexpr int kHeadDim = Traits::kHeadDim;
   using Params = KernelParams<Traits>;
   using Element = typename Traits::Element;
   using ElementOut = typename Traits::ElementOut;
@@ -89,6 +89,7 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   extra.num_q_blocks = (p.s_q + p.block_size - 1) / p.block_size;
   extra.block_size = p.block_size;
   extra.s_pad = s_pad;
+  extra.k_scale_grouped = p.block_size % kFp8KeyScaleGroup == 0;
   extra.scale_log2 = scalars.scale_log2;  // softmax_scale * log2(e) (no softcap in fp8)
 
   Params params{
@@ -127,6 +128,6 @@ namespace jax_fa3 {
 // Explicitly instantiated once per cuda/instantiations/flash_fwd_hdim<D>_e4m3.cu.
 template <int kHeadDim>
 cudaError_t run_flash_fwd_fp8(const FlashFwdFp8Params& params, cudaStream_t stream) {
-  return fwd::launch_fp8<kHeadDim>(params, stream);
+  return fwd::launch_fp8<fwd::Fp8KernelTraits<kHeadDim>>(params, stream);
 }
 }  // namespace jax_fa3

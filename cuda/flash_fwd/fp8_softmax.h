@@ -14,17 +14,23 @@ namespace jax_fa3::fwd {
 // P is quantized as e4m3(2^8 * P) (FA3's Max_offset): P in [0, 1] uses e4m3's range [2^-9, 448].
 constexpr float kFp8POffsetLog2 = 8.f;
 
-// S *= k_scale of each column (one FMUL per element). col_scale: this (batch, kv-head)'s row of
-// per-key scales (s_pad floats); col_g: global column of flat index 0. Columns >= s_pad (the
-// last block's tail) read nothing; they are >= s_k and masked to -inf afterwards, as are columns
-// in [s_k, s_pad) whose scale is 0.
+// Keys per k-scale group: one k_scale serves 32 consecutive keys of a tile (keys 32g..32g+31)
+// whenever block_size % 32 == 0 (tile starts are multiples of 32, so no block edge falls inside a
+// group). The per-key scale then folds into the exp2 FFMA's per-(row, group) coefficient, and the
+// running max is taken on raw scores per group: no per-element descale multiply at all.
+constexpr int kFp8KeyScaleGroup = 32;
+
+// Generic block sizes: S *= k_scale of each column (one FMUL per element, 32 float2 L1 loads per
+// tile). col_scale: this (batch, kv-head)'s row of per-key scales (s_pad floats); col_g: global
+// column of flat index 0. Columns >= s_pad (the last block's tail) read nothing; they are >= s_k
+// and masked to -inf afterwards.
 template <typename Frag>
 __device__ __forceinline__ void descale_columns(Frag& s, const float* __restrict__ col_scale,
                                                 int col_g, int s_pad) {
 #pragma unroll
   for (int j = 0; j < cute::size(s) / 4; ++j) {
     const int col = col_g + 8 * j;  // even: the pair (col, col + 1) is one aligned float2
-    float2 cs = make_float2(0.f, 0.f);
+    float2 cs = make_float2(1.f, 1.f);
     if (col < s_pad) cs = __ldg(reinterpret_cast<const float2*>(col_scale + col));
     s(4 * j + 0) *= cs.x;
     s(4 * j + 1) *= cs.y;
@@ -33,10 +39,13 @@ __device__ __forceinline__ void descale_columns(Frag& s, const float* __restrict
   }
 }
 
+// kGroups k-scale groups of 32 keys per tile (flat S indices 16g..16g+15 are group g: 8-column
+// chunks 4g..4g+3).
+template <int kGroups>
 struct Fp8OnlineSoftmax {
-  // Running max of the column-descaled scores (row scale not applied; it is positive, so the max
-  // commutes with it) and this thread's partial sum of 2^8 * P (exact power-of-two shift of the
-  // unquantized fp32 P; the quad sum happens in finalize()).
+  // Running max of the scaled scores (log2 domain: score * softmax_scale * log2 e * q_scale *
+  // k_scale), quad-uniform, and this thread's partial sum of 2^8 * P (exact power-of-two shift of
+  // the unquantized fp32 P; the quad sum happens in finalize()).
   float row_max[2];
   float row_sum[2];
 
@@ -45,29 +54,40 @@ struct Fp8OnlineSoftmax {
     row_sum[0] = row_sum[1] = 0.f;
   }
 
-  // s -> 2^8 * exp2(s * row_scale - max * row_scale) in place (one FFMA + EX2 per element).
-  // row_scale = softmax_scale * log2(e) * q_scale of the row's block.
+  // s (raw or column-descaled scores; masked ones -inf) -> 2^8 * exp2(s * coef - max) in place.
+  // coef[r][g] = row scale of row r * k scale of group g (> 0, so maxima commute with it): the
+  // max is taken per (row, group) on the raw scores, then scaled: 2 * kGroups FMULs per tile
+  // instead of one per element, and kGroups independent FMNMX chains per row.
   template <typename Frag>
-  __device__ __forceinline__ void update(Frag& s, const float (&row_scale)[2],
+  __device__ __forceinline__ void update(Frag& s, const float (&coef)[2][kGroups],
                                          float (&correction)[2]) {
-    float new_max[2] = {row_max[0], row_max[1]};
+    static_assert(decltype(cute::size(s))::value == 16 * kGroups);
+    float group_max[2][kGroups];
 #pragma unroll
-    for (int i = 0; i < cute::size(s); ++i) {
-      new_max[frag_row(i)] = fmaxf(new_max[frag_row(i)], s(i));
+    for (int g = 0; g < kGroups; ++g) {
+      group_max[0][g] = group_max[1][g] = -INFINITY;
+#pragma unroll
+      for (int i = 16 * g; i < 16 * g + 16; ++i) {
+        group_max[frag_row(i)][g] = fmaxf(group_max[frag_row(i)][g], s(i));
+      }
     }
     float shift[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      new_max[r] = quad_max(new_max[r]);
-      const float max_scaled = new_max[r] == -INFINITY ? 0.f : new_max[r] * row_scale[r];
-      correction[r] = exp2f(row_max[r] * row_scale[r] - max_scaled);
-      row_max[r] = new_max[r];
+      float tile_max = row_max[r];
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) tile_max = fmaxf(tile_max, group_max[r][g] * coef[r][g]);
+      const float new_max = quad_max(tile_max);
+      // A row that has seen only -inf so far keeps a finite base so that exp2 gives 0, not NaN.
+      const float base = new_max == -INFINITY ? 0.f : new_max;
+      correction[r] = exp2f(row_max[r] - base);
+      row_max[r] = new_max;
       row_sum[r] *= correction[r];
-      shift[r] = max_scaled - kFp8POffsetLog2;
+      shift[r] = base - kFp8POffsetLog2;
     }
 #pragma unroll
     for (int i = 0; i < cute::size(s); ++i) {
-      const float p = exp2f(s(i) * row_scale[frag_row(i)] - shift[frag_row(i)]);
+      const float p = exp2f(s(i) * coef[frag_row(i)][i / 16] - shift[frag_row(i)]);
       s(i) = p;
       row_sum[frag_row(i)] += p;
     }
@@ -75,16 +95,14 @@ struct Fp8OnlineSoftmax {
 
   // inv_sum = v_scale / (2^8 * rowsum) (0 for a row that saw no key); LSE natural log, +inf for
   // such a row.
-  __device__ __forceinline__ void finalize(const float (&row_scale)[2], float v_scale,
-                                           float (&inv_sum)[2], float (&lse)[2]) {
+  __device__ __forceinline__ void finalize(float v_scale, float (&inv_sum)[2], float (&lse)[2]) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float sum = quad_sum(row_sum[r]);
       const bool empty = sum == 0.f || sum != sum;
       inv_sum[r] = empty ? 0.f : v_scale / sum;
       lse[r] = empty ? INFINITY
-                     : (row_max[r] * row_scale[r] + __log2f(sum) - kFp8POffsetLog2) *
-                           0.6931471805599453f;
+                     : (row_max[r] + __log2f(sum) - kFp8POffsetLog2) * 0.6931471805599453f;
     }
   }
 };

@@ -25,13 +25,15 @@ using namespace cute;
 // fp32 O d/2) and smem (Q 128*d + 2 stages of K and Vt kBlockN*d, all 1 byte, + O bf16 128*d*2):
 //   d64 : 128x128  S 64 + P 16 + O  32 (overlap)   8K + 2*2*8K  + 16K =  56 KB
 //   d128: 128x128  S 64 + P 16 + O  64 (overlap)  16K + 2*2*16K + 32K = 112 KB
-//   d256: 128x96   S 48 + P 12 + O 128 (plain)    32K + 2*2*24K + 64K = 192 KB
-//         (128x128 spilled 76 B with ptxas 13.0: S 64 + P 16 + O 128 plus the scale state)
-// (FA3 uses 192x160 / 128x224 / 128x128; wider tiles here are a tuning step for the GPU.)
+//   d256: 128x128  S 64 + P 16 + O 128 (plain)    32K + 2*2*32K + 64K = 224 KB
+// Measured on the H200 (2026-11-30, 8k non-causal, benchmarks/RESULTS.md): d256 128x128 947-958
+// TFLOP/s vs 128x96 866-876 (128x128 only fits since the k scales are per 32-key group: ptxas
+// 13.0 keeps one 4-byte spill outside the main loop); d128 128x160 705 and 128x192 677 (both
+// spill) vs 128x128 731, 3 stages 736 (no gain). FA3 uses 192x160 / 128x224 / 128x128.
 template <int kHeadDim> struct BlockNFp8;
 template <> struct BlockNFp8<64> { static constexpr int value = 128; };
 template <> struct BlockNFp8<128> { static constexpr int value = 128; };
-template <> struct BlockNFp8<256> { static constexpr int value = 96; };
+template <> struct BlockNFp8<256> { static constexpr int value = 128; };
 
 // The widest GMMA K-major swizzle whose row (in bytes) divides `width` elements of Element.
 template <typename Element, int kWidth>

@@ -1,7 +1,8 @@
 // The fp8 forward's pre-pass: V (b, s_k, h_k, d) e4m3 -> Vt (b, h_k, d, s_pad) e4m3, keys
 // contiguous and permuted inside each group of 32 (fp8_layout.h), zero for keys >= s_k; and the
-// per-key k scale k_col (b, h_k, s_pad) f32 = k_scale[b, h_k, key / block_size] (0 past s_k), so
-// the consumer loads one float per column without a division.
+// per-key k scale k_col (b, h_k, s_pad) f32 = k_scale[b, h_k, key / block_size] (1 past s_k: any
+// positive value, the consumer masks those keys), so the consumer loads one float per column or
+// per 32-key group without a division.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -66,7 +67,7 @@ static __global__ void __launch_bounds__(kVtThreads)
     const int key = key0 + t;
     if (key < s_pad) {
       k_col[int64_t(bh) * s_pad + key] =
-          key < s_k ? k_scale[int64_t(bh) * num_k_blocks + key / block_size] : 0.f;
+          key < s_k ? k_scale[int64_t(bh) * num_k_blocks + key / block_size] : 1.f;
     }
   }
 }

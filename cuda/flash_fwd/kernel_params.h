@@ -32,11 +32,12 @@ auto make_gmem_tensor(Element* ptr, int seq, int d, int heads, int batch) {
 template <bool kFp8> struct ExtraParams {};
 template <> struct ExtraParams<true> {
   const float* q_scale;      // (b, h, num_q_blocks): the per-row-block q descale
-  const float* k_col_scale;  // (b, h_k, s_pad): k_scale expanded to one float per key (0 past s_k)
+  const float* k_col_scale;  // (b, h_k, s_pad): k_scale expanded to one float per key (1 past s_k)
   const float* v_scale;      // (b, h_k)
   int num_q_blocks;          // ceil(s_q / block_size)
   int block_size;            // tokens per q/k scale
   int s_pad;                 // keys of Vt / k_col_scale rows (s_k rounded up to 32)
+  int k_scale_grouped;       // block_size % 32 == 0: one k scale per 32-key group (fp8_softmax.h)
   float scale_log2;          // softmax_scale * log2(e)
 };
 
