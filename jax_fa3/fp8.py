@@ -482,7 +482,9 @@ def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_siz
     softmax_scale, causal, window_size: as for `flash_attention` (default scale 1/sqrt(head_dim)).
     incoherent: rotate q and k before quantizing (default True). `key`/`signs` are ignored when
       False.
-    block_size: tokens per q/k scale (default 64).
+    block_size: tokens per q/k scale (default 64). On the GPU kernel, multiples of 32 run its
+      fast path (one k scale per 32-key group, folded into the exp2 coefficient); any other size
+      is exact too but descales every score separately (slower).
     key: JAX PRNG key for the random ±1 signs (default `jax.random.PRNGKey(0)`, so that calls
       are deterministic; pass your own key to re-draw the rotation).
     signs: (head_dim,) array of ±1 to use instead of drawing them from `key` (e.g. a stored
