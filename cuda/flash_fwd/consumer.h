@@ -167,6 +167,14 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     std::conditional_t<kFp8, Fp8OnlineSoftmax<kKeyGroups>, OnlineSoftmax> softmax;
     softmax.reset();
     float correction[2];
+    // O *= correction; Traits::kSkipUnchangedRescale: only where a row of the warp changed its max.
+    auto rescale_o = [&](const float (&factor)[2]) {
+      if constexpr (Traits::kSkipUnchangedRescale) {
+        rescale_rows_if_changed(tOrO, factor);
+      } else {
+        rescale_rows(tOrO, factor);
+      }
+    };
     // The exp2 scale: one scalar (16-bit), or per (row, key group) (fp8). n_block: the block
     // being finished; fp8 starts the next block's scale loads here, before using this block's.
     auto softmax_update = [&](auto& tSrS, int n_block) {
@@ -208,7 +216,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
         release_stage(&ss.k_empty[kv.stage]);
         finish_scores(tSrS, n_block);
         softmax_update(tSrS, n_block);
-        rescale_rows_if_changed(tOrO, correction);
+        rescale_o(correction);
         to_p(tSrS);
         mbar_wait(&ss.v_full[kv.stage], kv.phase);
         pingpong.wait_turn();
@@ -252,7 +260,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
         softmax_update(tSrS, n_block);
         warpgroup_wait<0>();  // PV done: P's registers and V's stage are free, O is final
         release_stage(&ss.v_empty[prev.stage]);
-        rescale_rows_if_changed(tOrO, correction);
+        rescale_o(correction);
         to_p(tSrS);
       }
       // Last PV.
