@@ -12,6 +12,7 @@ enum NamedBarrierId : uint32_t {
   kBarrierConsumers = 1,   // all consumer threads: O staged in smem before the TMA store
   kBarrierWarpGroup1 = 2,  // ping-pong: "warpgroup 1 may issue its GEMMs"
   kBarrierWarpGroup2 = 3,  // ping-pong: "warpgroup 2 may issue its GEMMs"
+  kBarrierWarpGroup3 = 4,  // ping-pong with three consumer warpgroups (fp8 192-row tiles)
 };
 
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t num_threads) {

@@ -1,7 +1,7 @@
 // The consumer warpgroups: S = QK^T (wgmma SS), online softmax in registers, O += PV (wgmma RS),
-// then the epilogue; intra-warpgroup overlap and ping-pong between the two warpgroups. Both
-// warpgroups work on the same 128-row tile, 64 rows each, and walk the same K/V blocks
-// (n_max - 1 down to n_min), so every barrier count below is per tile.
+// then the epilogue; intra-warpgroup overlap and ping-pong between the warpgroups. All consumer
+// warpgroups (2, or 3 for fp8 d64) work on the same tile, 64 rows each, and walk the same K/V
+// blocks (n_max - 1 down to n_min), so every barrier count below is per tile.
 #pragma once
 #include "flash_fwd/cute_config.h"
 #include <cute/tensor.hpp>
@@ -12,6 +12,7 @@
 #include "flash_fwd/fp8_softmax.h"
 #include "flash_fwd/kernel_params.h"
 #include "flash_fwd/softmax.h"
+#include "flash_fwd/trace.h"
 #include "flash_fwd/wgmma.h"
 
 namespace jax_fa3::fwd {
@@ -35,32 +36,44 @@ __device__ __forceinline__ void convert_p(FragS const& tSrS, FragP& tOrP) {
   for (int i = 0; i < size(tSrS); ++i) tOrP(i) = static_cast<Element>(tSrS(i));
 }
 
-// Ping-pong between the two consumer warpgroups (named barriers, 256 threads each: 128 sync +
-// 128 arrive). A warpgroup issues its GEMMs only in its turn and hands the turn over right after
-// issuing, so the tensor cores run one warpgroup's GEMMs while the other does its softmax.
-// Protocol: warpgroup 1 pre-arrives on warpgroup 0's barrier (warpgroup 0 goes first); every turn
-// is sync(own) ... arrive(other); both warpgroups take the same number of turns per tile (one per
-// K/V block plus one with the overlap, two per block without), so the k-th sync of one pairs with the (k-1)-th arrive of the other, and
-// strict alternation means no barrier ever collects a second generation of arrivals. The one
-// arrive left over at the end is consumed by warpgroup 0 before exit.
+// Ping-pong (round robin) between the kNumWarpGroups consumer warpgroups (2, or 3 for the fp8
+// 192-row tiles): named barriers of 256 threads each (128 sync + 128 arrive). A warpgroup issues
+// its GEMMs only in its turn and hands the turn to the next warpgroup right after issuing, so the
+// tensor cores run one warpgroup's GEMMs while the others do their softmax.
+// Protocol: the last warpgroup pre-arrives on warpgroup 0's barrier (warpgroup 0 goes first);
+// every turn is sync(own) ... arrive(next); all warpgroups take the same number of turns per tile
+// (one per K/V block plus one with the overlap, two per block without), so the k-th sync of one
+// pairs with the k-th arrive of its predecessor (the (k-1)-th for warpgroup 0, which had the
+// pre-arrival), and strict round-robin order means no barrier ever collects a second generation
+// of arrivals. The one arrive left over at the end is consumed by warpgroup 0 before exit.
+// Code shape: with two warpgroups the compiler cannot prove wg < 2, so pass_turn() keeps three
+// arms and becomes branches with one BAR.ARV each instead of two predicated BAR.ARVs. That shape
+// measured faster for the fp8 d128 kernel (795-800 vs 727-742 TFLOP/s, H200, 8k, fwd_timeline.cu;
+// the SASS differs only there) and is kept; why it is faster is not understood.
+template <int kNumWarpGroups>
 struct PingPong {
-  int wg;  // 0 or 1: consumer warpgroup index
+  static_assert(kNumWarpGroups == 2 || kNumWarpGroups == 3);
+  int wg;  // consumer warpgroup index
   // Barrier ids stay compile-time constants (a run-time id makes ptxas reserve all 16).
   __device__ __forceinline__ void start() const {
-    if (wg == 1) named_barrier_arrive(kBarrierWarpGroup1, 256);
+    if (wg == kNumWarpGroups - 1) named_barrier_arrive(kBarrierWarpGroup1, 256);
   }
   __device__ __forceinline__ void wait_turn() const {
     if (wg == 0) {
       named_barrier_sync(kBarrierWarpGroup1, 256);
-    } else {
+    } else if (kNumWarpGroups == 2 || wg == 1) {
       named_barrier_sync(kBarrierWarpGroup2, 256);
+    } else {
+      named_barrier_sync(kBarrierWarpGroup3, 256);
     }
   }
   __device__ __forceinline__ void pass_turn() const {
-    if (wg == 0) {
+    if (wg == kNumWarpGroups - 1) {
+      named_barrier_arrive(kBarrierWarpGroup1, 256);
+    } else if (wg == 0) {
       named_barrier_arrive(kBarrierWarpGroup2, 256);
     } else {
-      named_barrier_arrive(kBarrierWarpGroup1, 256);
+      named_barrier_arrive(kBarrierWarpGroup3, 256);
     }
   }
   __device__ __forceinline__ void finish() const {
@@ -78,7 +91,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
-  static_assert(Traits::kNumConsumerWarpGroups == 2, "the ping-pong protocol pairs two warpgroups");
+  constexpr int kNumWarpGroups = Traits::kNumConsumerWarpGroups;
   const FlashFwdScalars& sc = p.s;
 
   typename Traits::TiledMmaQK mma_qk;
@@ -102,11 +115,12 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   const FragCoord fc = FragCoord::of_thread(thread_in_wg);
   const int off = sc.s_k - sc.s_q;
   const bool use_softcap = sc.softcap > 0.f;
-  const PingPong pingpong{thread_idx / 128};
+  const PingPong<kNumWarpGroups> pingpong{thread_idx / 128};
   pingpong.start();
 
   PipelineState<Traits::kStages> kv;
   uint32_t q_phase = 0;
+  [[maybe_unused]] int trace_step = 0;  // trace.h (no-op unless JAX_FA3_FWD_TRACE)
   for (int tile = blockIdx.x; tile < p.scheduler.num_tiles; tile += gridDim.x) {
     const TileCoord c = p.scheduler.coord(tile);
     const BlockRange range = block_range(c.m_block, kBlockM, kBlockN, sc.s_q, sc.s_k,
@@ -186,7 +200,10 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
 #pragma unroll
           for (int g = 0; g < kKeyGroups; ++g) coef[r][g] = row_scale[r] * ks_cur[g];
         }
-        softmax.update(tSrS, coef, correction);
+        float shift[2];
+        softmax.update_max(tSrS, coef, correction, shift);
+        trace_stamp(pingpong.wg, trace_step, kTraceMaxDone);
+        softmax.exponentiate(tSrS, coef, shift);
 #pragma unroll
         for (int g = 0; g < kKeyGroups; ++g) ks_cur[g] = ks_next[g];
       } else {
@@ -247,21 +264,30 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
         const PipelineState<Traits::kStages> prev = kv;
         kv.advance();
         Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+        trace_stamp(pingpong.wg, trace_step, kTraceStart);
         mbar_wait(&ss.k_full[kv.stage], kv.phase);
         mbar_wait(&ss.v_full[prev.stage], prev.phase);
+        trace_stamp(pingpong.wg, trace_step, kTraceKvReady);
         pingpong.wait_turn();
+        trace_stamp(pingpong.wg, trace_step, kTraceTurn);
         warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, kv.stage), tSrS);
         warpgroup_gemm</*zero_init=*/false, /*wait=*/-1, /*a_regs=*/true>(
             mma_pv, tOrP, tOrV(_, _, _, prev.stage), tOrO);
         pingpong.pass_turn();
+        trace_stamp(pingpong.wg, trace_step, kTraceIssued);
         warpgroup_wait<1>();  // S(n) done (batches complete in order), PV may still run
+        trace_stamp(pingpong.wg, trace_step, kTraceScoresReady);
         release_stage(&ss.k_empty[kv.stage]);
         finish_scores(tSrS, n_block);
         softmax_update(tSrS, n_block);
+        trace_stamp(pingpong.wg, trace_step, kTraceSoftmaxDone);
         warpgroup_wait<0>();  // PV done: P's registers and V's stage are free, O is final
+        trace_stamp(pingpong.wg, trace_step, kTracePvDone);
         release_stage(&ss.v_empty[prev.stage]);
         rescale_o(correction);
         to_p(tSrS);
+        trace_stamp(pingpong.wg, trace_step, kTraceEnd);
+        ++trace_step;
       }
       // Last PV.
       mbar_wait(&ss.v_full[kv.stage], kv.phase);

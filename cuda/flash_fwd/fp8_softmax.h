@@ -61,6 +61,15 @@ struct Fp8OnlineSoftmax {
   template <typename Frag>
   __device__ __forceinline__ void update(Frag& s, const float (&coef)[2][kGroups],
                                          float (&correction)[2]) {
+    float shift[2];
+    update_max(s, coef, correction, shift);
+    exponentiate(s, coef, shift);
+  }
+
+  // First half of update(): the new row maxima, the O correction and the exp2 shift per row.
+  template <typename Frag>
+  __device__ __forceinline__ void update_max(Frag const& s, const float (&coef)[2][kGroups],
+                                             float (&correction)[2], float (&shift)[2]) {
     static_assert(decltype(cute::size(s))::value == 16 * kGroups);
     float group_max[2][kGroups];
 #pragma unroll
@@ -71,7 +80,6 @@ struct Fp8OnlineSoftmax {
         group_max[frag_row(i)][g] = fmaxf(group_max[frag_row(i)][g], s(i));
       }
     }
-    float shift[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float tile_max = row_max[r];
@@ -85,6 +93,12 @@ struct Fp8OnlineSoftmax {
       row_sum[r] *= correction[r];
       shift[r] = base - kFp8POffsetLog2;
     }
+  }
+
+  // Second half: s -> 2^8 * exp2(s * coef - max) in place, accumulated into the row sums.
+  template <typename Frag>
+  __device__ __forceinline__ void exponentiate(Frag& s, const float (&coef)[2][kGroups],
+                                               const float (&shift)[2]) {
 #pragma unroll
     for (int i = 0; i < cute::size(s); ++i) {
       const float p = exp2f(s(i) * coef[frag_row(i)][i / 16] - shift[frag_row(i)]);

@@ -22,13 +22,14 @@ namespace jax_fa3::fwd {
 using namespace cute;
 
 // kBlockN per head dim for fp8. Registers per consumer thread (fp32 S kBlockN/2, e4m3 P kBlockN/8,
-// fp32 O d/2) and smem (Q 128*d + 2 stages of K and Vt kBlockN*d, all 1 byte, + O bf16 128*d*2):
-//   d64 : 128x128  S 64 + P 16 + O  32 (overlap)   8K + 2*2*8K  + 16K =  56 KB
+// fp32 O d/2) and smem (Q kBlockM*d + 2 stages of K and Vt kBlockN*d, all 1 byte, + O bf16
+// kBlockM*d*2):
+//   d64 : 192x128  S 64 + P 16 + O  32 (plain)    12K + 2*2*8K  + 24K =  68 KB
 //   d128: 128x128  S 64 + P 16 + O  64 (overlap)  16K + 2*2*16K + 32K = 112 KB
 //   d256: 128x128  S 64 + P 16 + O 128 (plain)    32K + 2*2*32K + 64K = 224 KB
 // Measured on the H200 (2026-11-30, 8k non-causal, benchmarks/RESULTS.md): d256 128x128 947-958
 // TFLOP/s vs 128x96 866-876 (128x128 only fits since the k scales are per 32-key group: ptxas
-// 13.0 keeps one 4-byte spill outside the main loop); d128 128x160 705 and 128x192 677 (both
+// 13.0 spills 16 bytes, README); d128 128x160 705 and 128x192 677 (both
 // spill) vs 128x128 731, 3 stages 736 (no gain). FA3 uses 192x160 / 128x224 / 128x128.
 template <int kHeadDim> struct BlockNFp8;
 template <> struct BlockNFp8<64> { static constexpr int value = 128; };
@@ -48,6 +49,13 @@ constexpr auto smem_atom_k_major_bytes() {
   }
 }
 
+// kBlockM per head dim: 128 (two consumer warpgroups) or 192 (three; 160 registers per consumer
+// thread, so no intra-warpgroup overlap). Measured on the H200 (2026-12-01, 8k non-causal, kernel
+// alone, cuda/flash_fwd/tools/fwd_timeline.cu): d64 192x128 444 TFLOP/s vs 128x128 380; d128
+// 192x128 734 (ptxas spills ~70 bytes in the main loop at 160 registers) vs 128x128 795.
+template <int kHeadDim> struct BlockMFp8 { static constexpr int value = 128; };
+template <> struct BlockMFp8<64> { static constexpr int value = 192; };
+
 template <int kHeadDim_>
 struct Fp8KernelTraits {
   using Element = cutlass::float_e4m3_t;
@@ -55,20 +63,22 @@ struct Fp8KernelTraits {
   using ElementAccum = float;
   static constexpr bool kFp8 = true;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 128;
+  static constexpr int kBlockM = BlockMFp8<kHeadDim>::value;
   static constexpr int kBlockN = BlockNFp8<kHeadDim>::value;
   static constexpr int kStages = 2;
-  // As for 16-bit: S(n) + P(n+1) + O live together only where O is small enough.
-  static constexpr bool kIntraWgOverlap = kHeadDim <= 128;
+  static constexpr int kNumConsumerWarpGroups = kBlockM / 64;
+  // As for 16-bit: S(n) + P(n+1) + O live together only where O is small enough, and only with
+  // two consumer warpgroups (240 registers each; three get 160).
+  static constexpr bool kIntraWgOverlap = kHeadDim <= 128 && kNumConsumerWarpGroups == 2;
   // Skip O's rescale when no row max of the warp changed (softmax.h; exact): at d256 128x128 it
   // also lets ptxas keep all but 4 bytes in registers (28 B spilled without it; 947 vs 935
   // TFLOP/s at 8k), and it is neutral at d128.
   static constexpr bool kSkipUnchangedRescale = true;
-  static constexpr int kNumConsumerWarpGroups = kBlockM / 64;
   static constexpr int kNumThreads = 128 * (kNumConsumerWarpGroups + 1);
   static constexpr int kNumConsumerThreads = 128 * kNumConsumerWarpGroups;
+  // setmaxnreg budget (65536 registers per SM): 128 * 24 + 256 * 240 or 128 * 24 + 384 * 160.
   static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
+  static constexpr int kConsumerRegs = kNumConsumerWarpGroups == 3 ? 160 : 240;
 
   static_assert(kBlockN % 32 == 0, "kBlockN is the K of the fp8 PV wgmma (k32 steps)");
   static_assert(kHeadDim % 32 == 0, "head dim is the K of the fp8 QK wgmma (k32 steps)");

@@ -1,0 +1,136 @@
+// Standalone timing and per-warpgroup timeline of the fp8 forward kernel, without JAX: random
+// e4m3 inputs, median kernel time over many launches (cudaEvents), and with -DJAX_FA3_FWD_TRACE
+// the clock64 stamps of trace.h summarised per main-loop phase. Not part of the build; run:
+//   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr --use_fast_math -I cuda -isystem <cutlass>/include \
+//        [-DJAX_FA3_FWD_TRACE] -DTOOL_HDIM=128 cuda/flash_fwd/tools/fwd_timeline.cu -o fwd_timeline
+//   ./fwd_timeline [batch heads seqlen]       (default 2 16 8192: 16k tokens, width 2048 at d128)
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "flash_fwd/fp8_launch.h"
+
+#ifndef TOOL_HDIM
+#define TOOL_HDIM 128
+#endif
+// flash_fwd_fp8.h declares the instantiations extern; this tool compiles its own.
+template cudaError_t jax_fa3::run_flash_fwd_fp8<TOOL_HDIM>(const jax_fa3::FlashFwdFp8Params&,
+                                                            cudaStream_t);
+
+#define CHECK(call)                                                                     \
+  do {                                                                                  \
+    cudaError_t e_ = (call);                                                            \
+    if (e_ != cudaSuccess) {                                                            \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                     \
+    }                                                                                   \
+  } while (0)
+
+template <class T>
+T* upload(const std::vector<T>& host) {
+  T* dev = nullptr;
+  CHECK(cudaMalloc(&dev, host.size() * sizeof(T)));
+  CHECK(cudaMemcpy(dev, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return dev;
+}
+
+std::vector<uint8_t> random_e4m3(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.f, 64.f);  // spans e4m3's range like quantized data
+  std::vector<uint8_t> out(n);
+  for (auto& x : out) x = __nv_fp8_e4m3(normal(rng)).__x;
+  return out;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+int main(int argc, char** argv) {
+  const int b = argc > 1 ? std::atoi(argv[1]) : 2;
+  const int h = argc > 2 ? std::atoi(argv[2]) : 16;
+  const int s = argc > 3 ? std::atoi(argv[3]) : 8192;
+  const int d = TOOL_HDIM, block_size = 64;
+  const int nb = (s + block_size - 1) / block_size;
+  std::mt19937 rng(0);
+  std::uniform_real_distribution<float> uni(0.5f / 64, 1.5f / 64);
+  std::vector<float> qs(size_t(b) * h * nb), ks(size_t(b) * h * nb), vs(size_t(b) * h);
+  for (auto* v : {&qs, &ks, &vs}) for (auto& x : *v) x = uni(rng);
+
+  jax_fa3::FlashFwdFp8Params p{};
+  p.q = upload(random_e4m3(size_t(b) * s * h * d, rng));
+  p.k = upload(random_e4m3(size_t(b) * s * h * d, rng));
+  p.v = upload(random_e4m3(size_t(b) * s * h * d, rng));
+  p.q_scale = upload(qs);
+  p.k_scale = upload(ks);
+  p.v_scale = upload(vs);
+  CHECK(cudaMalloc(&p.o, size_t(b) * s * h * d * 2));
+  CHECK(cudaMalloc(&p.lse, size_t(b) * h * s * 4));
+  CHECK(cudaMalloc(&p.workspace, jax_fa3::flash_fwd_fp8_workspace_bytes(b, h, s, d)));
+  p.b = b; p.s_q = s; p.s_k = s; p.h = h; p.h_k = h; p.d = d;
+  p.block_size = block_size;
+  p.softmax_scale = 1.f / std::sqrt(float(d));
+  p.window_left = p.window_right = -1;
+
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  const double flops = 4.0 * b * h * double(s) * s * d;
+  std::vector<double> ms_per_launch;
+  for (int rep = 0; rep < 12; ++rep) {
+    const int launches = 20;
+    CHECK(cudaEventRecord(start));
+    for (int i = 0; i < launches; ++i) CHECK(jax_fa3::run_flash_fwd_fp8<TOOL_HDIM>(p, nullptr));
+    CHECK(cudaEventRecord(stop));
+    CHECK(cudaEventSynchronize(stop));
+    float ms = 0.f;
+    CHECK(cudaEventElapsedTime(&ms, start, stop));
+    if (rep > 1) ms_per_launch.push_back(ms / launches);
+  }
+  const double ms = median(ms_per_launch);
+  std::printf("d=%d b=%d h=%d s=%d: %.3f ms, %.0f TFLOP/s (V pre-pass included)\n", d, b, h, s, ms,
+              flops / ms / 1e9);
+
+#ifdef JAX_FA3_FWD_TRACE
+  using namespace jax_fa3::fwd;
+  std::vector<long long> tr(size_t(kTraceCtas) * 2 * kTraceSteps * kTraceEvents);
+  CHECK(cudaMemcpyFromSymbol(tr.data(), g_fwd_trace, tr.size() * sizeof(long long)));
+  auto at = [&](int cta, int wg, int step, int ev) {
+    return tr[((size_t(cta) * 2 + wg) * kTraceSteps + step) * kTraceEvents + ev];
+  };
+  const char* names[] = {"kv wait", "turn wait", "issue", "S wait", "max", "exp", "PV wait",
+                         "rescale+cvt", "to next"};
+  // Per phase: cycles from event e to e+1 (the last: to the next block's start), median over the
+  // steady-state blocks of the traced CTAs (a tile's first block has no stamps; steps whose next
+  // stamp is from another tile are dropped by the 4000-cycle cut).
+  for (int wg = 0; wg < 2; ++wg) {
+    std::printf("wg%d:", wg);
+    double total = 0;
+    for (int e = 0; e < kTraceEvents; ++e) {
+      std::vector<double> d_e;
+      for (int cta = 0; cta < kTraceCtas; ++cta)
+        for (int st = 8; st + 1 < kTraceSteps; ++st) {
+          const long long a = at(cta, wg, st, e);
+          const long long z = e + 1 < kTraceEvents ? at(cta, wg, st, e + 1) : at(cta, wg, st + 1, 0);
+          if (a && z && z > a && z - a < 4000) d_e.push_back(double(z - a));
+        }
+      total += median(d_e);
+      std::printf("  %s %.0f", names[e], median(d_e));
+    }
+    std::printf("  | sum %.0f cycles\n", total);
+  }
+  std::printf("CTA 0 timeline (cycles from wg0's first stamp), steps 20..27:\n");
+  const long long t0 = at(0, 0, 20, 0);
+  for (int st = 20; st < 28; ++st)
+    for (int wg = 0; wg < 2; ++wg) {
+      std::printf("  step %d wg%d:", st, wg);
+      for (int e = 0; e < kTraceEvents; ++e) std::printf(" %6lld", at(0, wg, st, e) - t0);
+      std::printf("\n");
+    }
+#endif
+  return 0;
+}
