@@ -58,15 +58,8 @@ struct Fp8OnlineSoftmax {
   // coef[r][g] = row scale of row r * k scale of group g (> 0, so maxima commute with it): the
   // max is taken per (row, group) on the raw scores, then scaled: 2 * kGroups FMULs per tile
   // instead of one per element, and kGroups independent FMNMX chains per row.
-  template <typename Frag>
-  __device__ __forceinline__ void update(Frag& s, const float (&coef)[2][kGroups],
-                                         float (&correction)[2]) {
-    float shift[2];
-    update_max(s, coef, correction, shift);
-    exponentiate(s, coef, shift);
-  }
-
-  // First half of update(): the new row maxima, the O correction and the exp2 shift per row.
+  // One update is update_max() then exponentiate() (two calls so that the timeline of trace.h
+  // can stamp between them). This half: the new row maxima, the O correction and the exp2 shift.
   template <typename Frag>
   __device__ __forceinline__ void update_max(Frag const& s, const float (&coef)[2][kGroups],
                                              float (&correction)[2], float (&shift)[2]) {
@@ -95,7 +88,7 @@ struct Fp8OnlineSoftmax {
     }
   }
 
-  // Second half: s -> 2^8 * exp2(s * coef - max) in place, accumulated into the row sums.
+  // Second half: s -> 2^8 * exp2(s * coef - shift) in place, accumulated into the row sums.
   template <typename Frag>
   __device__ __forceinline__ void exponentiate(Frag& s, const float (&coef)[2][kGroups],
                                                const float (&shift)[2]) {

@@ -22,8 +22,9 @@ enum TraceEvent : int {
 
 #ifdef JAX_FA3_FWD_TRACE
 constexpr int kTraceCtas = 8;
+constexpr int kTraceWarpGroups = 3;  // consumer warpgroups: 2, or 3 (fp8 d64)
 constexpr int kTraceSteps = 512;
-__device__ long long g_fwd_trace[kTraceCtas][2][kTraceSteps][kTraceEvents];
+__device__ long long g_fwd_trace[kTraceCtas][kTraceWarpGroups][kTraceSteps][kTraceEvents];
 __device__ __forceinline__ void trace_stamp(int wg, int step, int event) {
   if (blockIdx.x < kTraceCtas && threadIdx.x % 128 == 0 && step < kTraceSteps) {
     g_fwd_trace[blockIdx.x][wg][step][event] = clock64();

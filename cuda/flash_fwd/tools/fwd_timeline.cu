@@ -97,17 +97,18 @@ int main(int argc, char** argv) {
 
 #ifdef JAX_FA3_FWD_TRACE
   using namespace jax_fa3::fwd;
-  std::vector<long long> tr(size_t(kTraceCtas) * 2 * kTraceSteps * kTraceEvents);
+  std::vector<long long> tr(size_t(kTraceCtas) * kTraceWarpGroups * kTraceSteps * kTraceEvents);
   CHECK(cudaMemcpyFromSymbol(tr.data(), g_fwd_trace, tr.size() * sizeof(long long)));
   auto at = [&](int cta, int wg, int step, int ev) {
-    return tr[((size_t(cta) * 2 + wg) * kTraceSteps + step) * kTraceEvents + ev];
+    return tr[((size_t(cta) * kTraceWarpGroups + wg) * kTraceSteps + step) * kTraceEvents + ev];
   };
   const char* names[] = {"kv wait", "turn wait", "issue", "S wait", "max", "exp", "PV wait",
                          "rescale+cvt", "to next"};
   // Per phase: cycles from event e to e+1 (the last: to the next block's start), median over the
   // steady-state blocks of the traced CTAs (a tile's first block has no stamps; steps whose next
-  // stamp is from another tile are dropped by the 4000-cycle cut).
-  for (int wg = 0; wg < 2; ++wg) {
+  // stamp is from another tile are dropped by the 4000-cycle cut). Only the intra-warpgroup
+  // overlap loop is stamped: kernels without it (3 warpgroups, d256) print 0 for those phases.
+  for (int wg = 0; wg < kTraceWarpGroups; ++wg) {
     std::printf("wg%d:", wg);
     double total = 0;
     for (int e = 0; e < kTraceEvents; ++e) {
@@ -126,7 +127,7 @@ int main(int argc, char** argv) {
   std::printf("CTA 0 timeline (cycles from wg0's first stamp), steps 20..27:\n");
   const long long t0 = at(0, 0, 20, 0);
   for (int st = 20; st < 28; ++st)
-    for (int wg = 0; wg < 2; ++wg) {
+    for (int wg = 0; wg < kTraceWarpGroups; ++wg) {
       std::printf("  step %d wg%d:", st, wg);
       for (int e = 0; e < kTraceEvents; ++e) std::printf(" %6lld", at(0, wg, st, e) - t0);
       std::printf("\n");
