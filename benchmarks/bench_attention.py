@@ -8,7 +8,10 @@ FP8 peers (forward only, timed from pre-quantized inputs, FLOPs counted as the b
 `jax_fa3_fp8` (our e4m3 kernel, block_size 64, incoherent processing off; the V transpose
 pre-pass is inside the timing) and, when JAX's private cuDNN FP8 API works, `cudnn_fp8` (per-tensor
 scales, e4m3 output dequantized inside the timing). Their error vs the fp32 reference is the fp8
-error (~5e-2 on normal data), so they are quoted up to 0.1.
+error (~5e-2 on normal data), so they are quoted up to 0.1. `jax_fa3_fp8_e2e` is the user's call
+`flash_attention_fp8(q, k, v)` from bf16 inputs (random rotation, quantization, V pre-pass, kernel)
+and `fp8_prep` (a table of its own) times the rotation + quantization pass alone: the fused CUDA
+pass and the XLA path it replaced.
 
   python benchmarks/bench_attention.py [--quick] [--json out.json] [--png out.png]
 """
@@ -61,8 +64,14 @@ def _fp8_peers(causal):
     cfg = fp8.Fp8Config(att, block_size=64, incoherent=False, return_lse=False)
     return fp8.fp8_forward(q8, k8, v8, qs, ks, vs, cfg)[0]
 
+  # The whole user call from bf16: rotation + quantization of q and k (fused CUDA pass), v's
+  # quantization, the V pre-pass and the kernel, all inside the timing.
+  def end_to_end(q, k, v):
+    return jax_fa3.flash_attention_fp8(q, k, v, causal=causal, block_size=64)
+
   peers = [_bench.Peer("jax_fa3_fp8", ours, prepare=prepare_ours, max_rel_err=0.1,
-                       forward_only=True)]
+                       forward_only=True),
+           _bench.Peer("jax_fa3_fp8_e2e", end_to_end, max_rel_err=0.1, forward_only=True)]
   try:
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa  # noqa: PLC0415
   except Exception:  # noqa: BLE001 (private API: absent or moved)
@@ -147,6 +156,59 @@ def run(head_dims, seqlens, directions, dtype, min_time, causal_modes=(False, Tr
   return rows
 
 
+def prep_rows(head_dims, seqlens, min_time):
+  """Time of the fp8 input pass alone (rotate + quantize q and k per 64-token block, quantize v
+  per head) at the benchmark's shapes: the fused CUDA pass and the XLA path it replaces."""
+  from jax_fa3 import fp8  # noqa: PLC0415
+
+  def xla_path(q, k, v, signs):
+    q8, qs = fp8._xla_rotate_quantize(q, signs, True, 64)
+    k8, ks = fp8._xla_rotate_quantize(k, signs, True, 64)
+    v8, vs = fp8._quantize(v.astype(jnp.float32), None)
+    return q8, k8, v8, qs, ks, vs
+
+  def fused_path(q, k, v, signs):
+    return fp8._rotate_and_quantize(q, k, v, signs, True, 64)
+
+  rows = []
+  for d in head_dims:
+    h = WIDTH // d
+    for s in seqlens:
+      b = max(1, TOTAL_TOKENS // s)
+      q, k, v = _bench.random_qkv(jax.random.PRNGKey(1), b, s, h, d, jnp.bfloat16)
+      signs = jax.random.rademacher(jax.random.PRNGKey(2), (d,), dtype=jnp.float32)
+      row = dict(peer="fp8_prep", d=d, h=h, b=b, seqlen=s)
+      # Minimum traffic: read q, k, v in bf16, write them in e4m3 (scales are negligible).
+      min_bytes = 3 * q.size * (2 + 1)
+      for name, fn in (("fused", fused_path), ("xla", xla_path)):
+        t = _bench.median_seconds(jax.jit(fn), q, k, v, signs, min_time=min_time)
+        row[f"{name}_us"] = t * 1e6
+        row[f"{name}_gbps"] = min_bytes / t / 1e9
+      # Its parts: one rotated q/k (per 64-token block) and v (one scale per head).
+      for name, fn in (("q_rotated", lambda x, s: fp8._rotate_quantize(x, s, True, 64)),
+                       ("v_per_head", lambda x, s: fp8._rotate_quantize(x, s, False, None))):
+        t = _bench.median_seconds(jax.jit(fn), q, signs, min_time=min_time)
+        row[f"{name}_us"] = t * 1e6
+        row[f"{name}_gbps"] = q.size * 3 / t / 1e9
+      rows.append(row)
+      print(json.dumps(row), flush=True)
+  return rows
+
+
+def prep_table(prep, rows) -> str:
+  lines = ["| d | seqlen | fused µs (GB/s) | XLA µs (GB/s) | fused / our fp8 kernel time | "
+           "q rotated µs (GB/s) | v per head µs (GB/s) |", "|---|---|---|---|---|---|---|"]
+  for r in prep:
+    kernel = next((x for x in rows if (x["peer"], x["d"], x["seqlen"], x["causal"]) ==
+                   ("jax_fa3_fp8", r["d"], r["seqlen"], False) and x.get("fwd_ms")), None)
+    share = "—" if kernel is None else f"{r['fused_us'] / 1e3 / kernel['fwd_ms']:.1%}"
+    lines.append(f"| {r['d']} | {r['seqlen']} | {r['fused_us']:.0f} ({r['fused_gbps']:.0f}) | "
+                 f"{r['xla_us']:.0f} ({r['xla_gbps']:.0f}) | {share} | "
+                 f"{r['q_rotated_us']:.0f} ({r['q_rotated_gbps']:.0f}) | "
+                 f"{r['v_per_head_us']:.0f} ({r['v_per_head_gbps']:.0f}) |")
+  return "\n".join(lines)
+
+
 def table(rows, direction) -> str:
   peers = sorted({r["peer"] for r in rows}, key=lambda p: (p != "jax_fa3", p))
   head = f"| d | causal | seqlen | " + " | ".join(peers) + " |"
@@ -205,8 +267,13 @@ def main():
              args.directions.split(","), jnp.dtype(args.dtype), args.min_time,
              {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal],
              set(args.peers.split(",")) if args.peers else None)
+  only = set(args.peers.split(",")) if args.peers else None
+  prep = []
+  if jax_fa3.kernels_available() and (only is None or "fp8_prep" in only):
+    prep = prep_rows([int(x) for x in args.head_dims.split(",")],
+                     [int(x) for x in args.seqlens.split(",")], args.min_time)
   with open(args.json, "w") as f:
-    json.dump(dict(header=header, rows=rows), f, indent=1)
+    json.dump(dict(header=header, rows=rows, fp8_prep=prep), f, indent=1)
   try:
     plot(rows, args.png)
   except ImportError:
@@ -214,6 +281,9 @@ def main():
   print(f"\n{header}\nforward TFLOP/s\n{table(rows, 'fwd')}")
   if "bwd" in args.directions:
     print(f"\nbackward TFLOP/s\n{table(rows, 'bwd')}")
+  if prep:
+    print(f"\nfp8 input pass (rotate + quantize q, k; quantize v), bf16 inputs\n"
+          f"{prep_table(prep, rows)}")
 
 
 if __name__ == "__main__":

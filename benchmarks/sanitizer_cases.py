@@ -10,7 +10,8 @@ GQA, causal, a window, softcap, and the head-dim buckets given on the command li
 also checks the result against the fp32 reference, so a run that the sanitizer instruments but
 that computes garbage does not pass silently. The fp8 forward (`jax_fa3_flash_fwd_fp8`, its V
 transpose pre-pass included) runs the same shapes (no softcap; block_size 32 and 64) from
-pre-quantized inputs and is checked against the pure-JAX emulation (--no-fp8 skips it).
+pre-quantized inputs and is checked against the pure-JAX emulation (--no-fp8 skips it); the
+fused rotate + quantize pass of q runs too, checked against the XLA path.
 """
 import argparse
 import itertools
@@ -68,6 +69,7 @@ def run_fp8_case(d, b, s_q, s_k, h, h_k, causal, window, block_size):
   k8, k_scale = fp8.quantize_fp8(k, block_size=block_size)
   v8, v_scale = fp8.quantize_fp8(v, block_size=None)
   args = (q8, k8, v8, q_scale, k_scale, v_scale[..., 0])
+  dequant = lambda values, scales: fp8.dequantize_fp8(values, scales, block_size=block_size)
   att = AttentionConfig(softmax_scale=d**-0.5, window_left=window[0],
                         window_right=0 if causal else window[1])
   cfg = fp8.Fp8Config(att, block_size=block_size, incoherent=False, return_lse=False,
@@ -77,7 +79,12 @@ def run_fp8_case(d, b, s_q, s_k, h, h_k, causal, window, block_size):
   with jax.default_device(cpu):
     emu, _ = jax.jit(lambda *a: fp8._emulated_forward(*a, cfg))(
         *[jax.device_put(x, cpu) for x in args])
-  return {"out": _rel(out, emu)}
+  # The fused rotate + quantize pass (quantize_fp8 above ran it unrotated) against the XLA path.
+  signs = jax.random.rademacher(keys[0], (d,), dtype=jnp.float32)
+  fused = jax.jit(lambda x: fp8._rotate_quantize(x, signs, True, block_size))(q)
+  xla = jax.jit(lambda x: fp8._xla_rotate_quantize(x, signs, True, block_size))(q)
+  return {"out": _rel(out, emu), "rotated_q": _rel(dequant(*fused), dequant(*xla)),
+          "rotated_q_scales": _rel(fused[1], xla[1])}
 
 
 def main(argv=None):

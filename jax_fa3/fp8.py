@@ -12,8 +12,10 @@ path emulates: same e4m3 rounding, same blocks, same scales):
 2. Quantization: q and k get one float32 scale per (batch, head, block of `block_size` tokens)
    (default 64); v gets one scale per (batch, kv-head). A scale is amax(|block|) · float32(1/448)
    (448 being e4m3's largest finite value; 1.0 for an all-zero block, and never below float32's
-   smallest normal) and the values are e4m3(clip(x / scale, -448, 448)): a correctly rounded float32
-   division, round to nearest even, saturating (CUDA's `__NV_SATFINITE`).
+   smallest normal) and the values are e4m3(clip(x · (1/scale), -448, 448)): a product with the
+   correctly rounded float32 reciprocal (what XLA makes of x / scale anyway; a true division
+   rounds differently on ~1e-4 of the elements), round to nearest even, saturating (CUDA's
+   `__NV_SATFINITE`).
 3. Scores: S = (q8 · k8) in float32 (each e4m3×e4m3 product is exact), then descaled per element by
    the product (softmax_scale · log2(e) · q_scale[row block]) · k_scale[column block], which the
    kernel folds into its exp2 FFMA (one coefficient per row and 32-key group when block_size is a
@@ -31,8 +33,12 @@ path emulates: same e4m3 rounding, same blocks, same scales):
    kernel's output type), then cast to q's dtype. LSE is float32, natural log, of the descaled
    scores (+inf and output 0 for rows that see no key).
 
-The quantization of q, k and v is the kernel path's bit for bit (given the same rotated float32
-inputs; the CUDA Hadamard kernel may order its butterflies differently). The remaining differences
+On a Hopper GPU, steps 1–2 for q and k run as one fused CUDA pass (`jax_fa3_rotate_quantize_fp8`:
+one read of the bf16/fp16/fp32 input, the butterflies in registers, one e4m3 write) instead of
+XLA's float32 copy, transform and quantization; its quantization is the pure-JAX one bit for bit
+(scales and, without rotation, values), and its butterflies are those of `hadamard_transform`'s
+pure-JAX form in the same order; only the last rounding of the 1/sqrt(d) factor can differ from
+XLA's (one float32 ulp, so an e4m3 value rarely moves by one step). The remaining differences
 are float32 operation order, the key tile width (the running max at which P is quantized) and the
 Hopper fp8 tensor-core accumulator, whose internal precision is below float32: compare the kernel
 with this emulation to a tolerance, not bitwise.
@@ -67,6 +73,10 @@ DEFAULT_BLOCK_SIZE = 64
 EMULATION_TILE_K = 128
 FP8_INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 KERNEL_TARGET = "jax_fa3_flash_fwd_fp8"
+# The fused rotate + quantize pass (cuda/quantize/rotate_quantize.h): 32 elements of a row per
+# lane, head_dim a multiple of 32 up to 256, float32/bfloat16/float16 inputs, any block size.
+ROTATE_QUANTIZE_TARGET = "jax_fa3_rotate_quantize_fp8"
+ROTATE_QUANTIZE_MAX_DIM = 256
 DEFAULT_SEED = 0  # key=None means jax.random.PRNGKey(DEFAULT_SEED)
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -145,13 +155,76 @@ def _quantize(x, block_size):
   n = -(-s // block)
   xf = x.astype(jnp.float32)
   padded = jnp.pad(jnp.abs(xf), ((0, 0), (0, n * block - s), (0, 0), (0, 0)))
-  amax = padded.reshape(b, n, block, h, d).max(axis=(2, 4))  # (b, n, h)
+  blocks = padded.reshape(b, n, block, h, d)
+  # A NaN makes its block's amax NaN, hence scale 1.0, on every backend (XLA:CPU's max drops NaN,
+  # XLA:GPU's and the CUDA pass's keep it).
+  amax = jnp.where(jnp.isnan(blocks).any(axis=(2, 4)), jnp.nan, blocks.max(axis=(2, 4)))  # (b, n, h)
   scales = _scale_from_amax(jnp.swapaxes(amax, 1, 2))  # (b, h, n)
-  values = _to_e4m3(xf / _per_token(scales, block, s))
+  # The reciprocal is taken per block, then multiplied (the contract above, explicit here so
+  # that it does not hang on XLA's simplifier rewriting x / broadcast(scale)).
+  values = _to_e4m3(xf * _per_token(1.0 / scales, block, s))
   return values, scales
 
 
-_quantize_jit = jax.jit(_quantize, static_argnums=(1,))
+def _xla_rotate_quantize(x, signs, rotate: bool, block_size):
+  x = x.astype(jnp.float32)
+  if rotate:
+    x = hadamard_transform(x, signs=signs)
+  return _quantize(x, block_size)
+
+
+def _fused_quantize_supported(x, block_size) -> bool:
+  d = x.shape[-1]
+  return (x.shape[1] > 0 and d % 32 == 0 and 32 <= d <= ROTATE_QUANTIZE_MAX_DIM
+          and any(x.dtype == np.dtype(t) for t in FP8_INPUT_DTYPES)
+          and _ffi.kernels_available() and _ffi.has_target(ROTATE_QUANTIZE_TARGET))
+
+
+def _fused_rotate_quantize(rotate: bool, block_size: int | None):
+  """The CUDA pass as a function of (x, signs32); vmap folds a mapped axis into the batch."""
+
+  @jax.custom_batching.custom_vmap
+  def call(x, signs32):
+    b, s, h, _ = x.shape
+    block = s if block_size is None else min(block_size, s)  # the same blocks
+    result_types = (jax.ShapeDtypeStruct(x.shape, E4M3),
+                    jax.ShapeDtypeStruct((b, h, -(-s // block)), jnp.float32))
+    values, scales = jax.ffi.ffi_call(ROTATE_QUANTIZE_TARGET, result_types)(
+        x, signs32, rotate=np.bool_(rotate), block_size=np.int32(block))
+    return values, scales
+
+  @call.def_vmap
+  def _rule(axis_size, in_batched, x, signs32):
+    x_batched, signs_batched = in_batched
+    if signs_batched:  # a rotation per lane: the XLA path, lane by lane
+      lane = functools.partial(_xla_rotate_quantize, rotate=rotate, block_size=block_size)
+      return jax.vmap(lane, in_axes=(0 if x_batched else None, 0))(x, signs32), (True, True)
+    if not x_batched:
+      x = jnp.broadcast_to(x[None], (axis_size,) + x.shape)
+    values, scales = call(x.reshape((axis_size * x.shape[1],) + x.shape[2:]), signs32)
+    unfold = lambda a: a.reshape((axis_size, a.shape[0] // axis_size) + a.shape[1:])
+    return (unfold(values), unfold(scales)), (True, True)
+
+  return call
+
+
+def _rotate_quantize(x, signs32, rotate: bool, block_size):
+  """(values, scales) of x, rotated by H·diag(signs32) first when `rotate`.
+
+  One fused CUDA pass on a Hopper GPU where it applies (`_fused_quantize_supported`), else XLA:
+  a float32 copy, `hadamard_transform`, then `_quantize`. Same numerics (the module docstring).
+  """
+  xla = functools.partial(_xla_rotate_quantize, rotate=rotate, block_size=block_size)
+  if not _fused_quantize_supported(x, block_size):
+    return xla(x, signs32)
+  _ffi.ensure_registered()
+  return lax.platform_dependent(x, signs32, cuda=_fused_rotate_quantize(rotate, block_size),
+                                default=xla)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _quantize_jit(x, block_size):
+  return _rotate_quantize(x, jnp.ones(x.shape[-1:], jnp.float32), False, block_size)
 
 
 def _check_4d_float(name, x, allowed):
@@ -167,11 +240,11 @@ def quantize_fp8(x, *, block_size=DEFAULT_BLOCK_SIZE):
   For each block of `block_size` consecutive tokens of one (batch, head) — the last block may be
   shorter — `scale = amax(|block|) · float32(1/448)` (448 = e4m3's largest finite value; an all-zero block
   gets scale 1.0, and no scale is below float32's smallest normal) and
-  `values = e4m3(clip(float32(x) / scale, -448, 448))`, rounding to nearest even. Every element of a
+  `values = e4m3(clip(float32(x) · (1/scale), -448, 448))`, rounding to nearest even. Every element of a
   block is therefore represented with e4m3's relative precision (a step of 2^-3 relative to the
   power of two below it, so a rounding error of at most 2^-4 relative) unless it is more than
-  2^15 times smaller than the block's largest (e4m3's subnormal range). Non-finite inputs give NaN
-  scales/values for their block.
+  2^15 times smaller than the block's largest (e4m3's subnormal range). A NaN gives its block scale
+  1.0 (values NaN where x is NaN); an infinity gives an infinite scale (values 0, NaN at the inf).
 
   Args:
     x: (batch, seqlen, heads, head_dim), float32/bfloat16/float16/float64 (quantized from its
@@ -380,13 +453,9 @@ def fp8_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
 
 @functools.partial(jax.jit, static_argnums=(4, 5))
 def _rotate_and_quantize(q, k, v, signs, incoherent: bool, block_size: int):
-  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-  if incoherent:
-    q = hadamard_transform(q, signs=signs)
-    k = hadamard_transform(k, signs=signs)
-  q8, q_scale = _quantize(q, block_size)
-  k8, k_scale = _quantize(k, block_size)
-  v8, v_scale = _quantize(v, None)
+  q8, q_scale = _rotate_quantize(q, signs, incoherent, block_size)
+  k8, k_scale = _rotate_quantize(k, signs, incoherent, block_size)
+  v8, v_scale = _rotate_quantize(v, signs, False, None)
   return q8, k8, v8, q_scale, k_scale, v_scale[..., 0]
 
 

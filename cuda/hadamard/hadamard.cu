@@ -1,19 +1,10 @@
 #include "hadamard/hadamard.h"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
 #include "common/cuda_check.h"
+#include "common/float_convert.cuh"
 
 namespace jax_fa3 {
 namespace {
-
-template <typename T> __device__ __forceinline__ float to_float(T v) { return static_cast<float>(v); }
-template <> __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <> __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-template <typename T> __device__ __forceinline__ T from_float(float v) { return static_cast<T>(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16(v); }
-template <> __device__ __forceinline__ __half from_float(float v) { return __float2half(v); }
 
 constexpr int kThreads = 256;
 

@@ -1,0 +1,70 @@
+// XLA FFI handler for the fused rotate + quantize pass of jax_fa3.fp8 (quantize/rotate_quantize.h).
+#include "ffi/ffi_common.h"
+#include "ffi/handlers.h"
+#include "quantize/rotate_quantize.h"
+
+namespace jax_fa3 {
+namespace {
+
+namespace ffi = xla::ffi;
+using ffi_util::invalid;
+using ffi_util::shape_str;
+
+ffi::Error rotate_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> signs,
+                                bool rotate, int32_t block_size, ffi::Result<ffi::AnyBuffer> values,
+                                ffi::Result<ffi::Buffer<ffi::F32>> scales) {
+  constexpr const char* kWhat = "rotate_quantize_fp8: ";
+  const auto dims = x.dimensions();
+  if (dims.size() != 4) {
+    return invalid(kWhat, "x must be (batch, seqlen, heads, head_dim), got shape ", shape_str(dims));
+  }
+  const int64_t b = dims[0], s = dims[1], h = dims[2], d = dims[3];
+  if (!rotate_quantize_supports_dim(d)) {
+    return invalid(kWhat, "head_dim must be a multiple of 32 in [32, ", kRotateQuantizeMaxDim,
+                   "], got ", d);
+  }
+  const auto dtype = ffi_util::to_dtype(x.element_type());
+  if (!dtype || *dtype == DType::kFloat8E4M3) {
+    return invalid(kWhat, "x must be float32, bfloat16 or float16");
+  }
+  if (block_size < 1) return invalid(kWhat, "block_size must be >= 1, got ", block_size);
+  if (values->element_type() != ffi::DataType::F8E4M3FN || values->dimensions().size() != 4 ||
+      values->element_count() != x.element_count()) {
+    return invalid(kWhat, "values must be float8_e4m3fn of x's shape ", shape_str(dims));
+  }
+  const int64_t n_blocks = (s + block_size - 1) / block_size;
+  const auto scale_dims = scales->dimensions();
+  if (scale_dims.size() != 3 || scale_dims[0] != b || scale_dims[1] != h ||
+      scale_dims[2] != n_blocks) {
+    return invalid(kWhat, "scales must have shape (", b, ", ", h, ", ", n_blocks, "), got ",
+                   shape_str(scale_dims));
+  }
+  if (rotate && (signs.dimensions().size() != 1 || signs.dimensions()[0] != d)) {
+    return invalid(kWhat, "signs must have shape (", d, ",), got ", shape_str(signs.dimensions()));
+  }
+  if (const int64_t ctas = rotate_quantize_ctas(b, s, h, block_size); ctas > 0x7fffffff) {
+    return invalid(kWhat, "x is too large: ", ctas, " CTAs (batch * heads * token blocks) for a ",
+                   "grid limit of 2^31 - 1");
+  }
+  if (auto err = ffi_util::poison_if_requested(stream, values, scales); err != cudaSuccess) {
+    return ffi_util::from_cuda(err, "output poisoning");
+  }
+  RotateQuantizeParams params{x.untyped_data(), rotate ? signs.typed_data() : nullptr,
+                              values->untyped_data(), scales->typed_data(), b, s, h,
+                              static_cast<int>(d), block_size, *dtype};
+  return ffi_util::from_cuda(launch_rotate_quantize(params, stream), "rotate_quantize kernel launch");
+}
+
+}  // namespace
+}  // namespace jax_fa3
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3RotateQuantizeFp8, jax_fa3::rotate_quantize_impl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<bool>("rotate")
+                                  .Attr<int32_t>("block_size")
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

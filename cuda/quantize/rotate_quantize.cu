@@ -1,0 +1,351 @@
+#include "quantize/rotate_quantize.h"
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+
+#include "common/cuda_check.h"
+#include "common/float_convert.cuh"
+
+namespace jax_fa3 {
+namespace {
+
+// Each lane holds 32 consecutive elements of a row, so a row of d spans d / 32 lanes
+// (kLanesPerRow). The first five butterfly stages (h < 32) then stay in registers and only the
+// stages h = 32, 64, 128 cross lanes: 2 shuffles per element at d=128 instead of 5 with one
+// element per lane, and loads / stores are 16-byte vectors.
+constexpr int kPerLane = 32;
+// Blocks of up to this many tokens are one CTA each (two passes over the block, the second from
+// L2). Larger blocks (v's one scale per head) are split into chunks whose amax meet in an atomic
+// max, then quantized by a second launch: enough CTAs to fill the GPU either way.
+// (rotate_quantize_ctas in the header counts CTAs with these two.)
+constexpr int kMaxCtaBlock = 256;
+constexpr int kChunkTokens = 128;
+constexpr float kInvE4m3Max = 1.f / 448.f;  // float32(1/448), as jax_fa3/fp8.py multiplies
+
+// max that propagates NaN like jnp.max (fmaxf would drop it): a block with a NaN gets amax NaN,
+// hence scale 1.0, exactly as the XLA path computes it.
+__device__ __forceinline__ float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
+
+__device__ __forceinline__ float scale_from_amax(float amax) {
+  return amax > 0.f ? fmaxf(amax * kInvE4m3Max, FLT_MIN) : 1.f;
+}
+
+// Two fp32 -> packed e4m3x2 (round to nearest even, saturating): lo in bits 0..7.
+__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
+  uint16_t pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+  return pair;
+}
+
+// Where this lane's 32 elements live: row `row_in_warp` of the warp's rows, elements
+// [32 * lane_in_row, 32 * lane_in_row + 32) of it. Lanes past the last whole row idle (d = 96,
+// 160, 192, 224) but still take part in the shuffles.
+// 8 warps per CTA: one pass covers a 64-token block at d = 64 and 128, quantized straight from
+// registers (d=256 takes two; 16 warps to cover it in one measured slower on the H200: 106 vs
+// 96 µs for 16k tokens x 2048).
+template <int kLanesPerRow>
+struct LaneMap {
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kRowsPerWarp = 32 / kLanesPerRow;
+  static constexpr int kRowsPerIter = kWarps * kRowsPerWarp;
+  int lane_in_row;
+  int row;  // row of the CTA's current group of kRowsPerIter
+  bool active;
+  __device__ static LaneMap of_thread() {
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    const int warp = static_cast<int>(threadIdx.x / 32);
+    return {lane % kLanesPerRow, warp * kRowsPerWarp + lane / kLanesPerRow,
+            lane < kRowsPerWarp * kLanesPerRow};
+  }
+};
+
+struct Rotation {
+  bool enabled;
+  int block_pow2;       // d's largest power-of-two factor: the Hadamard block (hadamard.h)
+  float scale;          // float32(1/sqrt(block_pow2))
+  uint32_t negative;    // bit e: this lane's element e has sign -1
+};
+
+// Loads the lane's 32 elements (zeros where `valid` is false) and, when enabled, applies
+// H·diag(signs)/sqrt(block_pow2) to the row. Stages run in the order of
+// jax_fa3.hadamard._hadamard_reference (h = 1, 2, 4, ...) on the same (a + b, a - b) pairs, so the
+// float32 results agree with it.
+template <typename T, int kLanesPerRow>
+__device__ __forceinline__ void load_row(const T* __restrict__ src, bool valid, const Rotation& rot,
+                                         int lane_in_row, float (&v)[kPerLane]) {
+  constexpr int kVec = 16 / sizeof(T);
+  if (valid) {
+#pragma unroll
+    for (int i = 0; i < kPerLane / kVec; ++i) {
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src) + i);
+      const T* elems = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v[i * kVec + j] = to_float(elems[j]);
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) v[e] = 0.f;
+  }
+  if (!rot.enabled) return;
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) {
+    // Exactly x * -1 where the sign is negative.
+    v[e] = __uint_as_float(__float_as_uint(v[e]) ^ (((rot.negative >> e) & 1u) << 31));
+  }
+#pragma unroll
+  for (int h = 1; h < kPerLane; h <<= 1) {
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) {
+      if ((e & h) == 0) {
+        const float a = v[e];
+        const float b = v[e + h];
+        v[e] = a + b;
+        v[e + h] = a - b;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 1; m < kLanesPerRow; m <<= 1) {
+    if (kPerLane * m >= rot.block_pow2) break;
+    // lower lane: a + b; upper lane: a - b = other - mine. One FFMA each (the product by ±1 is
+    // exact, so the sum rounds exactly as the FADD would).
+    const float sign = (lane_in_row & m) != 0 ? -1.f : 1.f;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) {
+      v[e] = fmaf(sign, v[e], __shfl_xor_sync(0xffffffffu, v[e], m));
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) v[e] *= rot.scale;
+}
+
+// The (batch, head) slice a CTA works on and its token range.
+struct Slice {
+  int64_t base;      // element offset of (batch, token 0, head, 0)
+  int64_t t_begin, t_end;
+  int64_t scale_index;
+};
+
+__device__ __forceinline__ float lane_amax(float amax, const float (&v)[kPerLane]) {
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) amax = nan_max(amax, fabsf(v[e]));
+  return amax;
+}
+
+__device__ __forceinline__ float warp_amax(float amax) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+  }
+  return amax;
+}
+
+// x * (1 / scale) with the reciprocal correctly rounded (__frcp_rn is exact IEEE even under
+// --use_fast_math): the quantization jax_fa3/fp8.py defines. A direct x / scale would round
+// differently on ~1e-4 of the elements (near-ties at e4m3 precision). 32 bytes per lane.
+__device__ __forceinline__ void store_quantized(const float (&v)[kPerLane], float inv_scale,
+                                                uint8_t* dst) {
+  uint32_t packed[kPerLane / 4];
+#pragma unroll
+  for (int i = 0; i < kPerLane / 4; ++i) {
+    packed[i] = e4m3x2(v[4 * i] * inv_scale, v[4 * i + 1] * inv_scale) |
+                (e4m3x2(v[4 * i + 2] * inv_scale, v[4 * i + 3] * inv_scale) << 16);
+  }
+  uint4* out = reinterpret_cast<uint4*>(dst);
+  out[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  out[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+}
+
+template <typename T, int kLanesPerRow>
+__device__ __forceinline__ float rows_amax(const RotateQuantizeParams& p, const Slice& sl,
+                                           const Rotation& rot) {
+  using Map = LaneMap<kLanesPerRow>;
+  const Map map = Map::of_thread();
+  const T* x = static_cast<const T*>(p.x) + sl.base + kPerLane * map.lane_in_row;
+  const int64_t row_stride = p.h * p.d;
+  float amax = 0.f;
+  for (int64_t t0 = sl.t_begin; t0 < sl.t_end; t0 += Map::kRowsPerIter) {
+    const int64_t t = t0 + map.row;
+    float v[kPerLane];
+    load_row<T, kLanesPerRow>(x + t * row_stride, map.active && t < sl.t_end, rot,
+                              map.lane_in_row, v);
+    amax = lane_amax(amax, v);
+  }
+  return warp_amax(amax);
+}
+
+template <typename T, int kLanesPerRow>
+__device__ __forceinline__ void quantize_rows(const RotateQuantizeParams& p, const Slice& sl,
+                                              const Rotation& rot, float scale) {
+  using Map = LaneMap<kLanesPerRow>;
+  const Map map = Map::of_thread();
+  const T* x = static_cast<const T*>(p.x) + sl.base + kPerLane * map.lane_in_row;
+  uint8_t* values = static_cast<uint8_t*>(p.values) + sl.base + kPerLane * map.lane_in_row;
+  const int64_t row_stride = p.h * p.d;
+  const float inv_scale = __frcp_rn(scale);
+  for (int64_t t0 = sl.t_begin; t0 < sl.t_end; t0 += Map::kRowsPerIter) {
+    const int64_t t = t0 + map.row;
+    const bool valid = map.active && t < sl.t_end;
+    float v[kPerLane];
+    load_row<T, kLanesPerRow>(x + t * row_stride, valid, rot, map.lane_in_row, v);
+    if (valid) store_quantized(v, inv_scale, values + t * row_stride);
+  }
+}
+
+__device__ __forceinline__ Rotation make_rotation(const RotateQuantizeParams& p,
+                                                  int lane_in_row, int block_pow2, float scale) {
+  Rotation rot{p.signs != nullptr, block_pow2, scale, 0u};
+  if (rot.enabled) {
+    for (int e = 0; e < kPerLane; ++e) {
+      rot.negative |= uint32_t(p.signs[kPerLane * lane_in_row + e] < 0.f) << e;
+    }
+  }
+  return rot;
+}
+
+template <int kWarps>
+__device__ __forceinline__ float cta_amax(float warp_amax_value) {
+  __shared__ float amax_of_warp[kWarps];
+  if (threadIdx.x % 32 == 0) amax_of_warp[threadIdx.x / 32] = warp_amax_value;
+  __syncthreads();
+  float amax = amax_of_warp[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) amax = nan_max(amax, amax_of_warp[w]);
+  return amax;
+}
+
+// Slice of CTA `cta` when each block is cut into `chunks` pieces of `chunk_tokens`.
+__device__ __forceinline__ Slice slice_of(const RotateQuantizeParams& p, int64_t n_blocks,
+                                          int64_t chunks, int64_t chunk_tokens, int64_t cta) {
+  const int64_t chunk = cta % chunks;
+  const int64_t scale_index = cta / chunks;  // (batch * h + head) * n_blocks + block
+  const int64_t block = scale_index % n_blocks;
+  const int64_t head = (scale_index / n_blocks) % p.h;
+  const int64_t batch = scale_index / (n_blocks * p.h);
+  const int64_t block_end = min((block + 1) * int64_t(p.block_size), p.s);
+  const int64_t t_begin = block * p.block_size + chunk * chunk_tokens;
+  return {(batch * p.s * p.h + head) * p.d, t_begin, min(t_begin + chunk_tokens, block_end),
+          scale_index};
+}
+
+// Blocks of <= kMaxCtaBlock tokens: one CTA per (batch, head, block). A block that one pass of
+// the CTA covers (64 tokens at d = 64, 128) is loaded once and quantized from registers;
+// longer ones are read twice (the second time from L2).
+template <typename T, int kLanesPerRow>
+__global__ void __launch_bounds__(LaneMap<kLanesPerRow>::kThreads)
+rotate_quantize_block_kernel(RotateQuantizeParams p, int64_t n_blocks, int block_pow2,
+                             float rotation_scale) {
+  using Map = LaneMap<kLanesPerRow>;
+  const Map map = Map::of_thread();
+  const Slice sl = slice_of(p, n_blocks, 1, p.block_size, blockIdx.x);
+  const Rotation rot = make_rotation(p, map.lane_in_row, block_pow2, rotation_scale);
+  if (sl.t_end - sl.t_begin <= Map::kRowsPerIter) {
+    const int64_t offset = sl.base + (sl.t_begin + map.row) * p.h * p.d + kPerLane * map.lane_in_row;
+    const bool valid = map.active && sl.t_begin + map.row < sl.t_end;
+    float v[kPerLane];
+    load_row<T, kLanesPerRow>(static_cast<const T*>(p.x) + offset, valid, rot, map.lane_in_row, v);
+    const float scale = scale_from_amax(cta_amax<Map::kWarps>(warp_amax(lane_amax(0.f, v))));
+    if (threadIdx.x == 0) p.scales[sl.scale_index] = scale;
+    if (valid) store_quantized(v, __frcp_rn(scale), static_cast<uint8_t*>(p.values) + offset);
+    return;
+  }
+  const float scale =
+      scale_from_amax(cta_amax<Map::kWarps>(rows_amax<T, kLanesPerRow>(p, sl, rot)));
+  if (threadIdx.x == 0) p.scales[sl.scale_index] = scale;
+  quantize_rows<T, kLanesPerRow>(p, sl, rot, scale);
+}
+
+// Larger blocks, pass 1: the amax of each chunk, merged per block with an atomic max on the bits
+// (|x| >= 0 orders like its bits as unsigned; NaN's bits are above +inf's, so NaN still wins).
+// p.scales holds the amax bits until rotate_quantize_scale_kernel turns them into scales.
+template <typename T, int kLanesPerRow>
+__global__ void __launch_bounds__(LaneMap<kLanesPerRow>::kThreads)
+rotate_quantize_chunk_amax_kernel(RotateQuantizeParams p, int64_t n_blocks, int64_t chunks,
+                                  int block_pow2, float rotation_scale) {
+  const Slice sl = slice_of(p, n_blocks, chunks, kChunkTokens, blockIdx.x);
+  const Rotation rot = make_rotation(p, LaneMap<kLanesPerRow>::of_thread().lane_in_row,
+                                     block_pow2, rotation_scale);
+  const float amax = cta_amax<LaneMap<kLanesPerRow>::kWarps>(rows_amax<T, kLanesPerRow>(p, sl, rot));
+  if (threadIdx.x == 0 && sl.t_begin < sl.t_end) {
+    atomicMax(reinterpret_cast<unsigned int*>(p.scales) + sl.scale_index, __float_as_uint(amax));
+  }
+}
+
+__global__ void rotate_quantize_scale_kernel(float* scales, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) scales[i] = scale_from_amax(scales[i]);
+}
+
+// Larger blocks, pass 2: quantize each chunk with its block's scale.
+template <typename T, int kLanesPerRow>
+__global__ void __launch_bounds__(LaneMap<kLanesPerRow>::kThreads)
+rotate_quantize_chunk_kernel(RotateQuantizeParams p, int64_t n_blocks, int64_t chunks,
+                             int block_pow2, float rotation_scale) {
+  const Slice sl = slice_of(p, n_blocks, chunks, kChunkTokens, blockIdx.x);
+  const Rotation rot = make_rotation(p, LaneMap<kLanesPerRow>::of_thread().lane_in_row,
+                                     block_pow2, rotation_scale);
+  quantize_rows<T, kLanesPerRow>(p, sl, rot, p.scales[sl.scale_index]);
+}
+
+template <typename T, int kLanesPerRow>
+cudaError_t launch_shape(const RotateQuantizeParams& p, int64_t n_blocks, cudaStream_t stream) {
+  const int block_pow2 = p.d & (-p.d);
+  // float32(1/sqrt(block_pow2)) correctly rounded, the constant the pure-JAX transform uses.
+  const float rotation_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(block_pow2)));
+  const int64_t slices = p.b * p.h * n_blocks;
+  if (p.block_size <= kMaxCtaBlock) {
+    if (slices > 0x7fffffff) return cudaErrorInvalidValue;
+    rotate_quantize_block_kernel<T, kLanesPerRow><<<static_cast<unsigned>(slices), LaneMap<kLanesPerRow>::kThreads, 0, stream>>>(
+        p, n_blocks, block_pow2, rotation_scale);
+    JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+    return cudaSuccess;
+  }
+  const int64_t chunks = (p.block_size + kChunkTokens - 1) / kChunkTokens;
+  const int64_t ctas = slices * chunks;
+  if (ctas > 0x7fffffff) return cudaErrorInvalidValue;
+  JAX_FA3_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(p.scales, 0, sizeof(float) * slices, stream));
+  rotate_quantize_chunk_amax_kernel<T, kLanesPerRow><<<static_cast<unsigned>(ctas), LaneMap<kLanesPerRow>::kThreads, 0, stream>>>(
+      p, n_blocks, chunks, block_pow2, rotation_scale);
+  JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+  rotate_quantize_scale_kernel<<<static_cast<unsigned>((slices + 255) / 256), 256, 0, stream>>>(p.scales, slices);
+  JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+  rotate_quantize_chunk_kernel<T, kLanesPerRow><<<static_cast<unsigned>(ctas), LaneMap<kLanesPerRow>::kThreads, 0, stream>>>(
+      p, n_blocks, chunks, block_pow2, rotation_scale);
+  JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+  return cudaSuccess;
+}
+
+template <typename T>
+cudaError_t launch_typed(const RotateQuantizeParams& p, int64_t n_blocks, cudaStream_t stream) {
+  switch (p.d / kPerLane) {
+    case 1: return launch_shape<T, 1>(p, n_blocks, stream);
+    case 2: return launch_shape<T, 2>(p, n_blocks, stream);
+    case 3: return launch_shape<T, 3>(p, n_blocks, stream);
+    case 4: return launch_shape<T, 4>(p, n_blocks, stream);
+    case 5: return launch_shape<T, 5>(p, n_blocks, stream);
+    case 6: return launch_shape<T, 6>(p, n_blocks, stream);
+    case 7: return launch_shape<T, 7>(p, n_blocks, stream);
+    case 8: return launch_shape<T, 8>(p, n_blocks, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_rotate_quantize(const RotateQuantizeParams& p, cudaStream_t stream) {
+  if (!rotate_quantize_supports_dim(p.d) || p.block_size < 1 || p.b < 0 || p.s < 0 || p.h < 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.b == 0 || p.s == 0 || p.h == 0) return cudaSuccess;
+  const int64_t n_blocks = (p.s + p.block_size - 1) / p.block_size;
+  switch (p.dtype) {
+    case DType::kFloat32: return launch_typed<float>(p, n_blocks, stream);
+    case DType::kBFloat16: return launch_typed<__nv_bfloat16>(p, n_blocks, stream);
+    case DType::kFloat16: return launch_typed<__half>(p, n_blocks, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace jax_fa3

@@ -1,0 +1,46 @@
+// Incoherent processing and block quantization in one pass: x (b, s, h, d) -> optional rotation
+// H·diag(signs) over d (the transform of hadamard.h) -> e4m3 values with one float32 scale per
+// (batch, head, block of `block_size` tokens). The numerics are those of jax_fa3/fp8.py
+// (`_quantize`): scale = amax · float32(1/448) (1.0 when amax is not > 0, at least float32's
+// smallest normal), values = e4m3(x · (1 / scale)) (reciprocal correctly rounded), round to
+// nearest even, saturating.
+//
+// It replaces XLA's passes over float32 copies (cast, rotate, amax, quantize) with one read of x,
+// a re-read (from L2 for blocks of up to 256 tokens) and a one-byte write.
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "common/dtype.h"
+
+namespace jax_fa3 {
+
+struct RotateQuantizeParams {
+  const void* x;        // (b, s, h, d), contiguous, dtype
+  const float* signs;   // (d,) ±1 applied before the transform; nullptr: no rotation
+  void* values;         // (b, s, h, d) e4m3
+  float* scales;        // (b, h, ceil(s / block_size))
+  int64_t b, s, h;
+  int d;
+  int block_size;       // tokens per scale, >= 1
+  DType dtype;          // kFloat32, kBFloat16 or kFloat16
+};
+
+// One warp holds a row in registers, d / 32 elements per lane: d a multiple of 32 up to this.
+constexpr int kRotateQuantizeMaxDim = 256;
+
+inline bool rotate_quantize_supports_dim(int64_t d) {
+  return d >= 32 && d <= kRotateQuantizeMaxDim && d % 32 == 0;
+}
+
+// CTAs of the largest launch (must stay below 2^31): one per (batch, head, block) for blocks of
+// up to 256 tokens, one per 128-token chunk of a block otherwise.
+inline int64_t rotate_quantize_ctas(int64_t b, int64_t s, int64_t h, int64_t block_size) {
+  const int64_t n_blocks = (s + block_size - 1) / block_size;
+  const int64_t chunks = block_size <= 256 ? 1 : (block_size + 127) / 128;
+  return b * h * n_blocks * chunks;
+}
+
+cudaError_t launch_rotate_quantize(const RotateQuantizeParams& params, cudaStream_t stream);
+
+}  // namespace jax_fa3

@@ -1,0 +1,164 @@
+"""The fused rotate + quantize CUDA pass against the pure-JAX rotation and quantization (Hopper GPU).
+
+Outputs are NaN-poisoned before the kernel runs (JAX_FA3_DEBUG_POISON_OUTPUTS=1): an element the
+kernel forgot to write would stay NaN. Without rotation the pass must agree with XLA's
+quantization bit for bit; with it, the butterflies are those of the pure-JAX transform in the same
+order, so only the final 1/sqrt(d) product may round differently (one float32 ulp), which moves
+an e4m3 value by at most one step and only where the float32 value sits on a rounding tie.
+"""
+import os
+
+os.environ["JAX_FA3_DEBUG_POISON_OUTPUTS"] = "1"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from jax_fa3 import fp8  # noqa: E402
+from jax_fa3.hadamard import _hadamard_reference  # noqa: E402
+from ffi_probe import ffi_error_message  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _inputs(seed, shape, dtype):
+  """N(0,1) with 0.1% outliers of N(0,100) (the FP8 accuracy experiment's inputs), and one
+  head's blocks scaled apart so block scales differ by orders of magnitude."""
+  k1, k2, k3 = jax.random.split(jax.random.PRNGKey(seed), 3)
+  x = jax.random.normal(k1, shape, jnp.float32)
+  x = x + 10.0 * jax.random.normal(k2, shape) * jax.random.bernoulli(k3, 0.001, shape)
+  ramp = jnp.exp2(jnp.linspace(-12.0, 6.0, shape[1]))[None, :, None, None]
+  x = x.at[:, :, :1].multiply(ramp)
+  return x.astype(dtype)
+
+
+def _signs(d):
+  return jax.random.rademacher(jax.random.PRNGKey(d), (d,), dtype=jnp.float32)
+
+
+def _pure_jax(x, signs, rotate, block_size):
+  """The CPU path's numerics, computed on the CPU: XLA on the GPU compiles `_quantize` for long
+  blocks into code whose products differ in the last bit (1-10 e4m3 values per 1e5 moved by a
+  step on the H200), while XLA:CPU agrees with exact IEEE float32 (checked against NumPy)."""
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    x = jax.device_put(x, cpu).astype(jnp.float32)
+    if rotate:
+      x = _hadamard_reference(x, jax.device_put(signs, cpu))
+    return fp8._quantize(x, block_size)
+
+
+def _fused(x, signs, rotate, block_size):
+  fn = jax.jit(lambda x, s: fp8._rotate_quantize(x, s, rotate, block_size))
+  assert fp8.ROTATE_QUANTIZE_TARGET in fn.lower(x, signs).as_text()
+  return fn(x, signs)
+
+
+def _assert_within_one_e4m3_step(got, want):
+  got = np.asarray(got.astype(jnp.float32))
+  want = np.asarray(want.astype(jnp.float32))
+  assert not np.isnan(got).any()
+  diff = np.abs(got - want)
+  # One e4m3 step: 2^-3 of the power of two at or below the larger magnitude (2^-9 subnormal).
+  mag = np.maximum(np.abs(got), np.abs(want))
+  step = np.where(mag >= 2.0**-6, 2.0 ** (np.floor(np.log2(np.maximum(mag, 2.0**-6))) - 3), 2.0**-9)
+  assert (diff <= step).all(), float((diff / step).max())
+  moved = float((diff > 0).mean())
+  assert moved < 1e-3, moved  # ties are rare: a value moves only where float32 rounding differs
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("block_size,seqlen", [(64, 200), (48, 200), (1000, 200), (300, 700),
+                                               (None, 600)])
+def test_matches_pure_jax(d, dtype, block_size, seqlen):
+  """Ragged last blocks; blocks of > 256 tokens (300, None) take the chunked two-launch path."""
+  x = _inputs(d, (2, seqlen, 3, d), dtype)
+  signs = _signs(d)
+  for rotate in (False, True):
+    values, scales = _fused(x, signs, rotate, block_size)
+    ref_values, ref_scales = _pure_jax(x, signs, rotate, block_size)
+    assert values.dtype == fp8.E4M3 and values.shape == x.shape
+    assert scales.shape == ref_scales.shape
+    if not rotate:
+      np.testing.assert_array_equal(np.asarray(scales), np.asarray(ref_scales))
+      np.testing.assert_array_equal(np.asarray(values).view(np.uint8),
+                                    np.asarray(ref_values).view(np.uint8))
+    else:
+      np.testing.assert_allclose(np.asarray(scales), np.asarray(ref_scales), rtol=2e-7, atol=0)
+      _assert_within_one_e4m3_step(values, ref_values)
+
+
+def test_special_blocks_match_pure_jax():
+  """An all-zero block (scale 1), a block with a NaN (scale 1, NaN only where the NaN was) and
+  a block beyond e4m3's range."""
+  x = _inputs(7, (1, 192, 2, 128), jnp.float32)
+  x = x.at[0, :64, 0].set(0.0).at[0, 70, 1, 5].set(jnp.nan).at[0, 128:, 0].multiply(1e6)
+  values, scales = _fused(x, _signs(128), False, 64)
+  ref_values, ref_scales = _pure_jax(x, None, False, 64)
+  np.testing.assert_array_equal(np.asarray(scales), np.asarray(ref_scales))
+  assert float(scales[0, 0, 0]) == 1.0 and float(scales[0, 1, 1]) == 1.0
+  got, want = (np.asarray(a.astype(jnp.float32)) for a in (values, ref_values))
+  np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+  assert int(np.isnan(got).sum()) == 1
+  np.testing.assert_array_equal(np.nan_to_num(got), np.nan_to_num(want))
+
+
+def test_public_quantize_and_fp8_attention_use_the_fused_pass():
+  x = _inputs(3, (2, 256, 4, 128), jnp.bfloat16)
+  hlo = jax.jit(lambda x: fp8.quantize_fp8(x, block_size=64)).lower(x).as_text()
+  assert fp8.ROTATE_QUANTIZE_TARGET in hlo
+  values, scales = fp8.quantize_fp8(x, block_size=64)
+  ref_values, ref_scales = _pure_jax(x, None, False, 64)
+  np.testing.assert_array_equal(np.asarray(scales), np.asarray(ref_scales))
+  np.testing.assert_array_equal(np.asarray(values).view(np.uint8),
+                                np.asarray(ref_values).view(np.uint8))
+  import jax_fa3  # noqa: PLC0415
+  hlo = jax.jit(jax_fa3.flash_attention_fp8).lower(x, x, x).as_text()
+  assert hlo.count(fp8.ROTATE_QUANTIZE_TARGET) == 3  # q and k rotated, v (one scale per head)
+
+
+def test_vmap_folds_into_batch():
+  x = _inputs(5, (6, 130, 2, 64), jnp.bfloat16).reshape(3, 2, 130, 2, 64)
+  signs = _signs(64)
+  fn = lambda x: fp8._rotate_quantize(x, signs, True, 64)
+  values, scales = jax.jit(jax.vmap(fn))(x)
+  for i in range(3):
+    v_i, s_i = jax.jit(fn)(x[i])
+    np.testing.assert_array_equal(np.asarray(values[i]).view(np.uint8), np.asarray(v_i).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(scales[i]), np.asarray(s_i))
+  # Per-lane signs take the XLA path lane by lane.
+  lane_signs = jnp.stack([signs, -signs, signs])
+  per_lane = jax.jit(jax.vmap(lambda x, s: fp8._rotate_quantize(x, s, True, 64)))(x, lane_signs)
+  ref = _pure_jax(x[1], -signs, True, 64)
+  # (the XLA path rotates with the CUDA Hadamard kernel, whose butterfly order differs)
+  np.testing.assert_allclose(np.asarray(per_lane[1][1]), np.asarray(ref[1]), rtol=1e-5)
+
+
+_FFI_CALL = """
+    def call(x, values_shape, scales_shape, block_size=64, rotate=True, signs_len=None):
+      d = x.shape[-1]
+      types = (jax.ShapeDtypeStruct(values_shape, jnp.float8_e4m3fn),
+               jax.ShapeDtypeStruct(scales_shape, jnp.float32))
+      return jax.ffi.ffi_call("jax_fa3_rotate_quantize_fp8", types)(
+          x, jnp.ones((signs_len or d,), jnp.float32), rotate=np.bool_(rotate),
+          block_size=np.int32(block_size))
+"""
+
+
+@pytest.mark.parametrize("body,expected", [
+    ("x = jnp.ones((1, 64, 2, 48), jnp.bfloat16)\n    "
+     "result = lambda: call(x, x.shape, (1, 2, 1))", "head_dim must be a multiple of 32"),
+    ("x = jnp.ones((1, 64, 2, 64), jnp.bfloat16)\n    "
+     "result = lambda: call(x, x.shape, (1, 2, 1), block_size=0)", "block_size must be >= 1"),
+    ("x = jnp.ones((1, 64, 2, 64), jnp.bfloat16)\n    "
+     "result = lambda: call(x, x.shape, (1, 2, 2))", "scales must have shape (1, 2, 1)"),
+    ("x = jnp.ones((1, 64, 2, 64), jnp.bfloat16)\n    "
+     "result = lambda: call(x, x.shape, (1, 2, 1), signs_len=32)", "signs must have shape (64,)"),
+    ("x = jnp.ones((64, 2, 64), jnp.bfloat16)\n    "
+     "result = lambda: call(x, x.shape, (1, 2, 1))", "x must be (batch, seqlen, heads, head_dim)"),
+])
+def test_handler_rejects_bad_calls_with_ffi_error(body, expected):
+  message = ffi_error_message(_FFI_CALL + "\n    " + body + "\n")
+  assert expected in message, message
