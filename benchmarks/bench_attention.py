@@ -263,15 +263,14 @@ def main():
                 jax_fa3=jax_fa3.__version__, kernels=jax_fa3.kernels_available(),
                 python=platform.python_version())
   print(json.dumps(header))
-  rows = run([int(x) for x in args.head_dims.split(",")], [int(x) for x in args.seqlens.split(",")],
-             args.directions.split(","), jnp.dtype(args.dtype), args.min_time,
-             {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal],
-             set(args.peers.split(",")) if args.peers else None)
+  head_dims = [int(x) for x in args.head_dims.split(",")]
+  seqlens = [int(x) for x in args.seqlens.split(",")]
   only = set(args.peers.split(",")) if args.peers else None
+  rows = run(head_dims, seqlens, args.directions.split(","), jnp.dtype(args.dtype), args.min_time,
+             {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal], only)
   prep = []
   if jax_fa3.kernels_available() and (only is None or "fp8_prep" in only):
-    prep = prep_rows([int(x) for x in args.head_dims.split(",")],
-                     [int(x) for x in args.seqlens.split(",")], args.min_time)
+    prep = prep_rows(head_dims, seqlens, args.min_time)
   with open(args.json, "w") as f:
     json.dump(dict(header=header, rows=rows, fp8_prep=prep), f, indent=1)
   try:

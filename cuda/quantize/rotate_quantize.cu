@@ -15,12 +15,6 @@ namespace {
 // stages h = 32, 64, 128 cross lanes: 2 shuffles per element at d=128 instead of 5 with one
 // element per lane, and loads / stores are 16-byte vectors.
 constexpr int kPerLane = 32;
-// Blocks of up to this many tokens are one CTA each (two passes over the block, the second from
-// L2). Larger blocks (v's one scale per head) are split into chunks whose amax meet in an atomic
-// max, then quantized by a second launch: enough CTAs to fill the GPU either way.
-// (rotate_quantize_ctas in the header counts CTAs with these two.)
-constexpr int kMaxCtaBlock = 256;
-constexpr int kChunkTokens = 128;
 constexpr float kInvE4m3Max = 1.f / 448.f;  // float32(1/448), as jax_fa3/fp8.py multiplies
 
 // max that propagates NaN like jnp.max (fmaxf would drop it): a block with a NaN gets amax NaN,
@@ -230,7 +224,7 @@ __device__ __forceinline__ Slice slice_of(const RotateQuantizeParams& p, int64_t
           scale_index};
 }
 
-// Blocks of <= kMaxCtaBlock tokens: one CTA per (batch, head, block). A block that one pass of
+// Blocks of <= kRotateQuantizeMaxCtaBlock tokens: one CTA per (batch, head, block). A block that one pass of
 // the CTA covers (64 tokens at d = 64, 128) is loaded once and quantized from registers;
 // longer ones are read twice (the second time from L2).
 template <typename T, int kLanesPerRow>
@@ -264,7 +258,7 @@ template <typename T, int kLanesPerRow>
 __global__ void __launch_bounds__(LaneMap<kLanesPerRow>::kThreads)
 rotate_quantize_chunk_amax_kernel(RotateQuantizeParams p, int64_t n_blocks, int64_t chunks,
                                   int block_pow2, float rotation_scale) {
-  const Slice sl = slice_of(p, n_blocks, chunks, kChunkTokens, blockIdx.x);
+  const Slice sl = slice_of(p, n_blocks, chunks, kRotateQuantizeChunkTokens, blockIdx.x);
   const Rotation rot = make_rotation(p, LaneMap<kLanesPerRow>::of_thread().lane_in_row,
                                      block_pow2, rotation_scale);
   const float amax = cta_amax<LaneMap<kLanesPerRow>::kWarps>(rows_amax<T, kLanesPerRow>(p, sl, rot));
@@ -283,7 +277,7 @@ template <typename T, int kLanesPerRow>
 __global__ void __launch_bounds__(LaneMap<kLanesPerRow>::kThreads)
 rotate_quantize_chunk_kernel(RotateQuantizeParams p, int64_t n_blocks, int64_t chunks,
                              int block_pow2, float rotation_scale) {
-  const Slice sl = slice_of(p, n_blocks, chunks, kChunkTokens, blockIdx.x);
+  const Slice sl = slice_of(p, n_blocks, chunks, kRotateQuantizeChunkTokens, blockIdx.x);
   const Rotation rot = make_rotation(p, LaneMap<kLanesPerRow>::of_thread().lane_in_row,
                                      block_pow2, rotation_scale);
   quantize_rows<T, kLanesPerRow>(p, sl, rot, p.scales[sl.scale_index]);
@@ -295,14 +289,14 @@ cudaError_t launch_shape(const RotateQuantizeParams& p, int64_t n_blocks, cudaSt
   // float32(1/sqrt(block_pow2)) correctly rounded, the constant the pure-JAX transform uses.
   const float rotation_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(block_pow2)));
   const int64_t slices = p.b * p.h * n_blocks;
-  if (p.block_size <= kMaxCtaBlock) {
+  const int64_t chunks = rotate_quantize_chunks(p.block_size);
+  if (chunks == 1) {
     if (slices > 0x7fffffff) return cudaErrorInvalidValue;
     rotate_quantize_block_kernel<T, kLanesPerRow><<<static_cast<unsigned>(slices), LaneMap<kLanesPerRow>::kThreads, 0, stream>>>(
         p, n_blocks, block_pow2, rotation_scale);
     JAX_FA3_RETURN_IF_LAUNCH_ERROR();
     return cudaSuccess;
   }
-  const int64_t chunks = (p.block_size + kChunkTokens - 1) / kChunkTokens;
   const int64_t ctas = slices * chunks;
   if (ctas > 0x7fffffff) return cudaErrorInvalidValue;
   JAX_FA3_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(p.scales, 0, sizeof(float) * slices, stream));

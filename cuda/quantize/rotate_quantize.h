@@ -33,12 +33,22 @@ inline bool rotate_quantize_supports_dim(int64_t d) {
   return d >= 32 && d <= kRotateQuantizeMaxDim && d % 32 == 0;
 }
 
-// CTAs of the largest launch (must stay below 2^31): one per (batch, head, block) for blocks of
-// up to 256 tokens, one per 128-token chunk of a block otherwise.
+// Blocks of up to kRotateQuantizeMaxCtaBlock tokens are one CTA each. Larger blocks (v's one scale
+// per head) are cut into chunks of kRotateQuantizeChunkTokens whose amax meet in an atomic max, then
+// are quantized by a second launch: enough CTAs to fill the GPU either way.
+constexpr int64_t kRotateQuantizeMaxCtaBlock = 256;
+constexpr int64_t kRotateQuantizeChunkTokens = 128;
+
+// CTAs per block: 1, or its number of chunks.
+inline int64_t rotate_quantize_chunks(int64_t block_size) {
+  return block_size <= kRotateQuantizeMaxCtaBlock
+             ? 1
+             : (block_size + kRotateQuantizeChunkTokens - 1) / kRotateQuantizeChunkTokens;
+}
+
+// CTAs of the largest launch (must stay below 2^31).
 inline int64_t rotate_quantize_ctas(int64_t b, int64_t s, int64_t h, int64_t block_size) {
-  const int64_t n_blocks = (s + block_size - 1) / block_size;
-  const int64_t chunks = block_size <= 256 ? 1 : (block_size + 127) / 128;
-  return b * h * n_blocks * chunks;
+  return b * h * ((s + block_size - 1) / block_size) * rotate_quantize_chunks(block_size);
 }
 
 cudaError_t launch_rotate_quantize(const RotateQuantizeParams& params, cudaStream_t stream);
