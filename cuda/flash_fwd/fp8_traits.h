@@ -78,7 +78,13 @@ struct Fp8KernelTraits {
   static constexpr int kNumConsumerThreads = 128 * kNumConsumerWarpGroups;
   // setmaxnreg budget (65536 registers per SM): 128 * 24 + 256 * 240 or 128 * 24 + 384 * 160.
   static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = kNumConsumerWarpGroups == 3 ? 160 : 240;
+  // d128: capped at 208 although 240 fit. With the interval mask (softmax.h) ptxas has registers
+  // to spare and issues the exp2 MUFUs back to back; they share the MIO queue with the other
+  // warpgroup's QGMMA issue, which then stalls (ncu: MUFU mio stalls 5.9k -> 16k samples, S-wait
+  // barrier stalls 6.8k -> 13.9k). The cap makes it space them: 800 vs 727 TFLOP/s (H200, 8k,
+  // fwd_timeline.cu, 2026-12-01); 224: 792.
+  static constexpr int kConsumerRegs =
+      kNumConsumerWarpGroups == 3 ? 160 : (kHeadDim == 128 ? 208 : 240);
 
   static_assert(kBlockN % 32 == 0, "kBlockN is the K of the fp8 PV wgmma (k32 steps)");
   static_assert(kHeadDim % 32 == 0, "head dim is the K of the fp8 QK wgmma (k32 steps)");

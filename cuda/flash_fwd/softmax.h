@@ -9,6 +9,7 @@
 // two 8-column chunks), which is why P can be handed to the PV GEMM without any shuffle.
 #pragma once
 #include "flash_fwd/cute_config.h"
+#include <climits>
 #include <cmath>
 #include <cute/tensor.hpp>
 
@@ -33,16 +34,25 @@ __device__ __forceinline__ void apply_softcap(Frag& s, float pre, float cap) {
 }
 
 // Sets invisible scores to -inf. row_g/col_g: global row of v1 = 0 and column of idx 0.
+// Each row sees one column interval [lo, hi); it is computed once per row, relative to col_g, so
+// that every element costs two compares against compile-time column offsets (frag_col) and a
+// select, and only four integers stay live across the loop.
 template <typename Frag>
 __device__ __forceinline__ void apply_mask(Frag& s, int row_g, int col_g, int s_k, int off, int left,
                                            int right) {
+  int lo[2], hi[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_g + 8 * r;
+    hi[r] = s_k - col_g;
+    if (right >= 0) hi[r] = min(hi[r], row + off + right + 1 - col_g);
+    lo[r] = left >= 0 ? row + off - left - col_g : INT_MIN;
+  }
 #pragma unroll
   for (int i = 0; i < cute::size(s); ++i) {
-    const int row = row_g + 8 * frag_row(i);
-    const int col = col_g + frag_col(i);
-    const bool hidden = col >= s_k || (right >= 0 && col > row + off + right) ||
-                        (left >= 0 && col < row + off - left);
-    if (hidden) s(i) = -INFINITY;
+    const int r = frag_row(i);
+    const int col = frag_col(i);
+    if (col >= hi[r] || col < lo[r]) s(i) = -INFINITY;
   }
 }
 
