@@ -76,7 +76,8 @@ struct Fp8KernelTraits {
   static constexpr bool kSkipUnchangedRescale = true;
   static constexpr int kNumThreads = 128 * (kNumConsumerWarpGroups + 1);
   static constexpr int kNumConsumerThreads = 128 * kNumConsumerWarpGroups;
-  // setmaxnreg budget (65536 registers per SM): 128 * 24 + 256 * 240 or 128 * 24 + 384 * 160.
+  // setmaxnreg budget (65536 registers per SM): at most 128 * 24 + 256 * 240 (two consumer
+  // warpgroups; d128 uses less, below) or 128 * 24 + 384 * 160 (three).
   static constexpr int kProducerRegs = 24;
   // d128: capped at 208 although 240 fit. With the interval mask (softmax.h) ptxas has registers
   // to spare and issues the exp2 MUFUs back to back; they share the MIO queue with the other

@@ -224,9 +224,9 @@ __device__ __forceinline__ Slice slice_of(const RotateQuantizeParams& p, int64_t
           scale_index};
 }
 
-// Blocks of <= kRotateQuantizeMaxCtaBlock tokens: one CTA per (batch, head, block). A block that one pass of
-// the CTA covers (64 tokens at d = 64, 128) is loaded once and quantized from registers;
-// longer ones are read twice (the second time from L2).
+// Blocks of <= kRotateQuantizeMaxCtaBlock tokens: one CTA per (batch, head, block). A block
+// that one pass of the CTA covers (64 tokens at d = 64, 128) is loaded once and quantized from
+// registers; longer ones are read twice (the second time from L2).
 template <typename T, int kLanesPerRow>
 __global__ void __launch_bounds__(LaneMap<kLanesPerRow>::kThreads)
 rotate_quantize_block_kernel(RotateQuantizeParams p, int64_t n_blocks, int block_pow2,
