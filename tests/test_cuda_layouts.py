@@ -1,4 +1,4 @@
-"""Layout facts the backward kernel relies on, checked on the host with CuTe (no GPU needed).
+"""Host-checked facts the kernels rely on, with CuTe where needed (no GPU needed).
 
 tests/cuda/check_bwd_layouts.cu is compiled with nvcc and run: for every head-dim bucket, the
 P/dS element pairs the kernel stores with one 32-bit st.shared are adjacent and cover the tile
@@ -58,3 +58,10 @@ def test_fp8_forward_p_v_layout_fact_holds_for_every_bucket(tmp_path):
   tests/cuda/check_fp8_layouts.cu checks, with CuTe's fragment layouts, that every packed A slot
   holds the score of the key the permuted Vt stores there, and A·Vt == S·V on integers."""
   assert _compile_and_run(tmp_path, "check_fp8_layouts").count(": ok") == 3
+
+
+def test_forward_tile_scheduler_covers_every_tile_once(tmp_path):
+  """The forward's persistent scheduler (cuda/flash_fwd/tile_scheduler.h) with the zigzag rounds of
+  masked problems: tests/cuda/check_tile_scheduler.cu checks that the CTAs' tile sequences map onto
+  every (m_block, head, batch) exactly once, and that masked rounds stay longest first."""
+  assert _compile_and_run(tmp_path, "check_tile_scheduler").rstrip().endswith(": ok")

@@ -122,7 +122,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   uint32_t q_phase = 0;
   [[maybe_unused]] int trace_step = 0;  // trace.h (no-op unless JAX_FA3_FWD_TRACE)
   for (int tile = blockIdx.x; tile < p.scheduler.num_tiles; tile += gridDim.x) {
-    const TileCoord c = p.scheduler.coord(tile);
+    const TileCoord c = p.scheduler.coord(tile, gridDim.x);
     const BlockRange range = block_range(c.m_block, kBlockM, kBlockN, sc.s_q, sc.s_k,
                                          sc.window_left, sc.window_right);
     const int row_g = c.m_block * kBlockM + 64 * (thread_idx / 128) + fc.row0;

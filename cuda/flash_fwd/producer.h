@@ -50,7 +50,7 @@ __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
   PipelineState<Traits::kStages> kv;
   uint32_t q_phase = 0;
   for (int tile = blockIdx.x; tile < p.scheduler.num_tiles; tile += gridDim.x) {
-    const TileCoord c = p.scheduler.coord(tile);
+    const TileCoord c = p.scheduler.coord(tile, gridDim.x);
     const BlockRange range = block_range(c.m_block, kBlockM, kBlockN, sc.s_q, sc.s_k,
                                          sc.window_left, sc.window_right);
     const int kv_head = c.head / group;
