@@ -203,11 +203,11 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
         float shift[2];
         softmax.update_max(tSrS, coef, correction, shift);
         trace_stamp(pingpong.wg, trace_step, kTraceMaxDone);
-        softmax.exponentiate(tSrS, coef, shift);
+        softmax.template exponentiate<Traits::kExp2FmaPeriod>(tSrS, coef, shift);
 #pragma unroll
         for (int g = 0; g < kKeyGroups; ++g) ks_cur[g] = ks_next[g];
       } else {
-        softmax.update(tSrS, sc.scale_log2, correction);
+        softmax.template update<Traits::kExp2FmaPeriod>(tSrS, sc.scale_log2, correction);
       }
     };
     auto to_p = [&](auto const& tSrS) {

@@ -89,12 +89,14 @@ struct Fp8OnlineSoftmax {
   }
 
   // Second half: s -> 2^8 * exp2(s * coef - shift) in place, accumulated into the row sums.
-  template <typename Frag>
+  // kExp2FmaPeriod: which exponentials run on the FMA pipe (exp2_fma.h).
+  template <int kExp2FmaPeriod, typename Frag>
   __device__ __forceinline__ void exponentiate(Frag& s, const float (&coef)[2][kGroups],
                                                const float (&shift)[2]) {
 #pragma unroll
     for (int i = 0; i < cute::size(s); ++i) {
-      const float p = exp2f(s(i) * coef[frag_row(i)][i / 16] - shift[frag_row(i)]);
+      const float p =
+          softmax_exp2<kExp2FmaPeriod>(s(i) * coef[frag_row(i)][i / 16] - shift[frag_row(i)], i);
       s(i) = p;
       row_sum[frag_row(i)] += p;
     }

@@ -74,6 +74,14 @@ struct Fp8KernelTraits {
   // also lets ptxas keep all but 4 bytes in registers (28 B spilled without it; 947 vs 935
   // TFLOP/s at 8k), and it is neutral at d128.
   static constexpr bool kSkipUnchangedRescale = true;
+  // Every kExp2FmaPeriod-th softmax exponential on the FMA pipe instead of MUFU (exp2_fma.h):
+  // only at d64, whose GEMMs are short enough for MUFU to pace the loop. Kernel alone, 8k
+  // non-causal, same run (H200, 2026-12-01): d64 period 4 455-457 TFLOP/s vs 443-444 without.
+  // A first version that added j to p's bits (one FMUL less, NaN-unsafe) measured d64 period
+  // 4 / 3 / 2 467-470 / 458-461 / 407-411 vs 441-442; d128 period 8 / 4 / 2 774-775 / 749-755 /
+  // 706-710 vs 804-810; d256 period 4 941-946 vs 967-973: the d128 and d256 loops are not
+  // MUFU-bound (session 5 found the same at d128).
+  static constexpr int kExp2FmaPeriod = kHeadDim == 64 ? 4 : 0;
   static constexpr int kNumThreads = 128 * (kNumConsumerWarpGroups + 1);
   static constexpr int kNumConsumerThreads = 128 * kNumConsumerWarpGroups;
   // setmaxnreg budget (65536 registers per SM): at most 128 * 24 + 256 * 240 (two consumer

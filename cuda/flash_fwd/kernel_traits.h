@@ -57,6 +57,11 @@ struct KernelTraits {
   // Skipping O's rescale when no max changed (softmax.h) measured 614-618 TFLOP/s at d256 8k
   // against 632-635 without it (H200, 2026-12-01): always rescale here.
   static constexpr bool kSkipUnchangedRescale = false;
+  // Every kExp2FmaPeriod-th softmax exponential on the FMA pipe instead of MUFU (exp2_fma.h):
+  // none. Kernel alone, 8k non-causal (H200, 2026-12-01, exp2_fma's first version, one FMUL
+  // cheaper): d64 period 4 / 3 / 2 422-425 / 429-431 / 407-410 TFLOP/s vs 462-464 without; d128
+  // period 4 581-586 vs 607-612.
+  static constexpr int kExp2FmaPeriod = 0;
   static constexpr int kNumConsumerWarpGroups = kBlockM / 64;
   static constexpr int kNumThreads = 128 * (kNumConsumerWarpGroups + 1);  // + producer WG
   static constexpr int kNumConsumerThreads = 128 * kNumConsumerWarpGroups;

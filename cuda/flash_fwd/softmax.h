@@ -13,6 +13,8 @@
 #include <cmath>
 #include <cute/tensor.hpp>
 
+#include "flash_fwd/exp2_fma.h"
+
 namespace jax_fa3::fwd {
 
 struct FragCoord {
@@ -78,8 +80,8 @@ struct OnlineSoftmax {
 
   // Turns the scores s into unnormalized probabilities p = exp2(s*scale_log2 - max*scale_log2)
   // in place, updates max and sum, and returns in `correction` the factor by which O (and the old
-  // sum) must be multiplied: exp2((old_max - new_max) * scale_log2).
-  template <typename Frag>
+  // sum) must be multiplied: exp2((old_max - new_max) * scale_log2). kExp2FmaPeriod: exp2_fma.h.
+  template <int kExp2FmaPeriod, typename Frag>
   __device__ __forceinline__ void update(Frag& s, float scale_log2, float (&correction)[2]) {
     float new_max[2] = {row_max[0], row_max[1]};
 #pragma unroll
@@ -99,7 +101,7 @@ struct OnlineSoftmax {
     }
 #pragma unroll
     for (int i = 0; i < cute::size(s); ++i) {
-      const float p = exp2f(s(i) * scale_log2 - max_scaled[frag_row(i)]);
+      const float p = softmax_exp2<kExp2FmaPeriod>(s(i) * scale_log2 - max_scaled[frag_row(i)], i);
       s(i) = p;
       row_sum[frag_row(i)] += p;
     }

@@ -45,12 +45,13 @@ int main() {
         ++cases;
         if (!ok) {
           ++failures;
-          std::printf("s_q=%d block_m=%d h=%d b=%d masked=%d grid=%d: FAILED\n", sh[0], sh[1], sh[2],
-                      sh[3], int(masked), grid);
+          std::printf("s_q=%d block_m=%d h=%d b=%d masked=%d grid=%d: FAILED\n", sh[0], sh[1],
+                      sh[2], sh[3], int(masked), grid);
         }
       }
     }
   }
-  std::printf("tile scheduler: %d cases, %d failed: %s\n", cases, failures, failures ? "FAILED" : "ok");
+  std::printf("tile scheduler: %d cases, %d failed: %s\n", cases, failures,
+              failures ? "FAILED" : "ok");
   return failures ? 1 : 0;
 }

@@ -1,9 +1,12 @@
-// Standalone timing and per-warpgroup timeline of the fp8 forward kernel, without JAX: random
-// e4m3 inputs, median kernel time over many launches (cudaEvents), and with -DJAX_FA3_FWD_TRACE
-// the clock64 stamps of trace.h summarised per main-loop phase. Not part of the build; run:
+// Standalone timing and per-warpgroup timeline of the fp8 forward kernel (with -DTOOL_BF16 the bf16
+// one), without JAX: random inputs, median kernel time over many launches (cudaEvents), and with
+// -DJAX_FA3_FWD_TRACE the clock64 stamps of trace.h summarised per main-loop phase. Not part of the
+// build; run:
 //   nvcc -std=c++17 -O3 -arch=sm_90a --expt-relaxed-constexpr --use_fast_math -I cuda -isystem <cutlass>/include \
-//        [-DJAX_FA3_FWD_TRACE] -DTOOL_HDIM=128 cuda/flash_fwd/tools/fwd_timeline.cu -o fwd_timeline
-//   ./fwd_timeline [batch heads seqlen]       (default 2 16 8192: 16k tokens, width 2048 at d128)
+//        [-DJAX_FA3_FWD_TRACE] [-DTOOL_BF16] -DTOOL_HDIM=128 cuda/flash_fwd/tools/fwd_timeline.cu \
+//        -o fwd_timeline
+//   ./fwd_timeline [batch heads seqlen causal]  (default 2 16 8192 0: 16k tokens, d128 width 2048)
+#include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -13,13 +16,19 @@
 #include <vector>
 
 #include "flash_fwd/fp8_launch.h"
+#include "flash_fwd/launch.h"
 
 #ifndef TOOL_HDIM
 #define TOOL_HDIM 128
 #endif
-// flash_fwd_fp8.h declares the instantiations extern; this tool compiles its own.
+// flash_fwd_fp8.h / flash_fwd.h declare the instantiations extern; this tool compiles its own.
+#ifdef TOOL_BF16
+template cudaError_t jax_fa3::run_flash_fwd<TOOL_HDIM, jax_fa3::DType::kBFloat16>(
+    const jax_fa3::FlashFwdParams&, cudaStream_t);
+#else
 template cudaError_t jax_fa3::run_flash_fwd_fp8<TOOL_HDIM>(const jax_fa3::FlashFwdFp8Params&,
                                                             cudaStream_t);
+#endif
 
 #define CHECK(call)                                                                     \
   do {                                                                                  \
@@ -45,6 +54,13 @@ std::vector<uint8_t> random_e4m3(size_t n, std::mt19937& rng) {
   return out;
 }
 
+std::vector<uint16_t> random_bf16(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<uint16_t> out(n);
+  for (auto& x : out) x = __bfloat16_as_ushort(__float2bfloat16(normal(rng)));
+  return out;
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
@@ -54,9 +70,28 @@ int main(int argc, char** argv) {
   const int b = argc > 1 ? std::atoi(argv[1]) : 2;
   const int h = argc > 2 ? std::atoi(argv[2]) : 16;
   const int s = argc > 3 ? std::atoi(argv[3]) : 8192;
-  const int d = TOOL_HDIM, block_size = 64;
-  const int nb = (s + block_size - 1) / block_size;
+  const bool causal = argc > 4 && std::atoi(argv[4]) != 0;
+  const int d = TOOL_HDIM;
   std::mt19937 rng(0);
+#ifdef TOOL_BF16
+  const char* dtype_label = "bf16";
+  jax_fa3::FlashFwdParams p{};
+  p.q = upload(random_bf16(size_t(b) * s * h * d, rng));
+  p.k = upload(random_bf16(size_t(b) * s * h * d, rng));
+  p.v = upload(random_bf16(size_t(b) * s * h * d, rng));
+  CHECK(cudaMalloc(&p.o, size_t(b) * s * h * d * 2));
+  CHECK(cudaMalloc(&p.lse, size_t(b) * h * s * 4));
+  p.b = b; p.s_q = s; p.s_k = s; p.h = h; p.h_k = h; p.d = d;
+  p.dtype = jax_fa3::DType::kBFloat16;
+  p.softmax_scale = 1.f / std::sqrt(float(d));
+  p.window_left = -1;
+  p.window_right = causal ? 0 : -1;
+  auto launch = [&] {
+    return jax_fa3::run_flash_fwd<TOOL_HDIM, jax_fa3::DType::kBFloat16>(p, nullptr);
+  };
+#else
+  const char* dtype_label = "fp8 (V pre-pass included)";
+  const int block_size = 64, nb = (s + block_size - 1) / block_size;
   std::uniform_real_distribution<float> uni(0.5f / 64, 1.5f / 64);
   std::vector<float> qs(size_t(b) * h * nb), ks(size_t(b) * h * nb), vs(size_t(b) * h);
   for (auto* v : {&qs, &ks, &vs}) for (auto& x : *v) x = uni(rng);
@@ -74,17 +109,20 @@ int main(int argc, char** argv) {
   p.b = b; p.s_q = s; p.s_k = s; p.h = h; p.h_k = h; p.d = d;
   p.block_size = block_size;
   p.softmax_scale = 1.f / std::sqrt(float(d));
-  p.window_left = p.window_right = -1;
+  p.window_left = -1;
+  p.window_right = causal ? 0 : -1;
 
+  auto launch = [&] { return jax_fa3::run_flash_fwd_fp8<TOOL_HDIM>(p, nullptr); };
+#endif
   cudaEvent_t start, stop;
   CHECK(cudaEventCreate(&start));
   CHECK(cudaEventCreate(&stop));
-  const double flops = 4.0 * b * h * double(s) * s * d;
+  const double flops = 4.0 * b * h * double(s) * s * d * (causal ? 0.5 : 1.0);
   std::vector<double> ms_per_launch;
   for (int rep = 0; rep < 12; ++rep) {
     const int launches = 20;
     CHECK(cudaEventRecord(start));
-    for (int i = 0; i < launches; ++i) CHECK(jax_fa3::run_flash_fwd_fp8<TOOL_HDIM>(p, nullptr));
+    for (int i = 0; i < launches; ++i) CHECK(launch());
     CHECK(cudaEventRecord(stop));
     CHECK(cudaEventSynchronize(stop));
     float ms = 0.f;
@@ -92,8 +130,8 @@ int main(int argc, char** argv) {
     if (rep > 1) ms_per_launch.push_back(ms / launches);
   }
   const double ms = median(ms_per_launch);
-  std::printf("d=%d b=%d h=%d s=%d: %.3f ms, %.0f TFLOP/s (V pre-pass included)\n", d, b, h, s, ms,
-              flops / ms / 1e9);
+  std::printf("%s d=%d b=%d h=%d s=%d%s: %.3f ms, %.0f TFLOP/s\n", dtype_label, d, b, h, s,
+              causal ? " causal" : "", ms, flops / ms / 1e9);
 
 #ifdef JAX_FA3_FWD_TRACE
   using namespace jax_fa3::fwd;
