@@ -118,6 +118,16 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   const PingPong<kNumWarpGroups> pingpong{thread_idx / 128};
   pingpong.start();
 
+  // Traits::kEarlyQRelease: Q's buffer is dead for a warp once its wait for the S GEMM of the
+  // tile's last K/V block (n_min) returned; one arrive per consumer warp (as for the K/V stages)
+  // lets the producer load the next tile's Q under this tile's last softmax, PV GEMM and epilogue.
+  // Otherwise the epilogue releases Q's buffer after the TMA store of O.
+  auto release_q_after_last_s = [&](int n_block, const BlockRange& range) {
+    if constexpr (Traits::kEarlyQRelease) {
+      if (n_block == range.n_min) release_stage(&ss.q_empty);
+    }
+  };
+
   PipelineState<Traits::kStages> kv;
   uint32_t q_phase = 0;
   [[maybe_unused]] int trace_step = 0;  // trace.h (no-op unless JAX_FA3_FWD_TRACE)
@@ -231,6 +241,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
         pingpong.pass_turn();
         warpgroup_wait<0>();
         release_stage(&ss.k_empty[kv.stage]);
+        release_q_after_last_s(n_block, range);
         finish_scores(tSrS, n_block);
         softmax_update(tSrS, n_block);
         rescale_o(correction);
@@ -254,6 +265,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
         pingpong.pass_turn();
         warpgroup_wait<0>();
         release_stage(&ss.k_empty[kv.stage]);
+        release_q_after_last_s(n_block, range);
         finish_scores(tSrS, n_block);
         softmax_update(tSrS, n_block);
         to_p(tSrS);
@@ -278,6 +290,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
         warpgroup_wait<1>();  // S(n) done (batches complete in order), PV may still run
         trace_stamp(pingpong.wg, trace_step, kTraceScoresReady);
         release_stage(&ss.k_empty[kv.stage]);
+        release_q_after_last_s(n_block, range);
         finish_scores(tSrS, n_block);
         softmax_update(tSrS, n_block);
         trace_stamp(pingpong.wg, trace_step, kTraceSoftmaxDone);
@@ -300,6 +313,9 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
       kv.advance();
     }
 
+    // A tile with no visible K/V block ran no S GEMM: Q's buffer is released here.
+    if (range.n_max <= range.n_min) release_q_after_last_s(range.n_min, range);
+
     float inv_sum[2], lse[2];
     if constexpr (kFp8) {
       softmax.finalize(v_scale, inv_sum, lse);
@@ -310,6 +326,10 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     store_tile<Traits>(p, ss, tOrO, lse, c, thread_idx);
   }
   pingpong.finish();
+  // The last tile's TMA store of O must have read shared memory before the CTA exits.
+  if constexpr (Traits::kEarlyQRelease) {
+    if (thread_idx == 0) tma_store_wait<0>();
+  }
 }
 
 }  // namespace jax_fa3::fwd

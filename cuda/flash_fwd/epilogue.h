@@ -1,6 +1,6 @@
 // Epilogue of one tile: O (already normalized, fp32 in the PV accumulator) -> Element -> shared
-// memory (Q's buffer, see producer.h) with stmatrix -> one TMA store that clips rows >= s_q and
-// columns >= d; LSE straight from registers.
+// memory (Traits::o_smem: O's own buffer, or Q's) with stmatrix -> one TMA store that clips
+// rows >= s_q and columns >= d; LSE straight from registers.
 #pragma once
 #include "flash_fwd/cute_config.h"
 #include <cute/tensor.hpp>
@@ -31,10 +31,17 @@ __device__ __forceinline__ void store_tile(KernelParams<Traits> const& p,
 #pragma unroll
   for (int i = 0; i < size(tOrO); ++i) tOrO_out(i) = static_cast<Element>(tOrO(i));
 
-  // Q's buffer (bf16/fp16; fp8 has a separate bf16 O buffer) is free for this warpgroup's rows:
-  // its last S = QK^T wgmma has completed, and the other warpgroup only reads (and writes) its
-  // own 64 rows. Either way the O buffer is reused only after thread 0's tma_store_wait below
-  // (the next tile's Q load waits for q_empty).
+  // Traits::kEarlyQRelease: O's own buffer may still be read by the previous tile's TMA store,
+  // which thread 0 issued without waiting: it waits now (long done after a whole tile), and the
+  // barrier holds every consumer thread until then.
+  // Else the O buffer (Q's for bf16/fp16, its own for fp8) is free for this warpgroup's rows: its
+  // last S = QK^T wgmma has completed, and the other warpgroup only reads (and writes) its own 64
+  // rows; the buffer is released to the producer (q_empty) only after thread 0's tma_store_wait
+  // below.
+  if constexpr (Traits::kEarlyQRelease) {
+    if (thread_idx == 0) tma_store_wait<0>();
+    named_barrier_sync(kBarrierConsumers, Traits::kNumConsumerThreads);
+  }
   Tensor sO = make_tensor(make_smem_ptr(Traits::o_smem(ss)), typename Traits::SmemLayoutO{});
   auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{},
                                      typename Traits::TiledMmaPV{});
@@ -52,10 +59,12 @@ __device__ __forceinline__ void store_tile(KernelParams<Traits> const& p,
                                       group_modes<0, 2>(gO));
     copy(p.tma_o, tOsO, tOgO);
     tma_store_arrive();
-    // Only the shared-memory reads must be done before Q's buffer is refilled; the global
-    // writes complete on their own before the kernel does.
-    tma_store_wait<0>();
-    mbar_arrive(&ss.q_empty);
+    if constexpr (!Traits::kEarlyQRelease) {
+      // Only the shared-memory reads must be done before Q's buffer is refilled; the global
+      // writes complete on their own before the kernel does.
+      tma_store_wait<0>();
+      mbar_arrive(&ss.q_empty);
+    }
   }
 
   // LSE (b, h, s_q): the quad's lane 0 writes its two rows.

@@ -17,8 +17,8 @@ using namespace cute;
 // registers hold S (kBlockN/2 fp32), O (d/2 fp32) and P (kBlockN/4 32-bit) per thread below 240.
 //   d64 : 128x160 -> 16K + 2*2*20K  =  96 KB   S 80 + O 32 regs
 //   d96 : 128x144 -> 24K + 2*2*27K  = 132 KB   S 72 + O 48
-//   d128: 128x128 -> 32K + 2*2*32K  = 160 KB   S 64 + O 64   (FA3's 176 spilled ~230 B here
-//         with the overlapped mainloop: S 88 + P 44 + O 64 live at once)
+//   d128: 128x128 -> 32K + 2*2*32K  = 160 KB   S 64 + O 64   (+ a 32K O buffer: kEarlyQRelease;
+//         FA3's 176 spilled ~230 B here with the overlapped mainloop: S 88 + P 44 + O 64 live)
 //   d192: 128x112 -> 48K + 2*2*42K  = 216 KB   S 56 + O 96
 //   d256: 128x80  -> 64K + 2*2*40K  = 224 KB   S 40 + O 128
 template <int kHeadDim> struct BlockN;
@@ -88,7 +88,7 @@ struct KernelTraits {
 
   using SmemAtom = decltype(smem_atom_k_major<Element, kHeadDim>());
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemLayoutO = SmemLayoutQ;  // O is staged in Q's buffer (see epilogue.h)
+  using SmemLayoutO = SmemLayoutQ;
   using SmemLayoutK = decltype(tile_to_shape(
       SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemLayoutV = SmemLayoutK;
@@ -101,10 +101,19 @@ struct KernelTraits {
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
+  // Early Q release (consumer.h): O gets its own buffer, so Q's buffer is free once a tile's last
+  // S GEMM completed and the next tile's Q loads under this tile's last softmax, PV GEMM and
+  // epilogue. d128 only (160 + 32 KB of smem): H200 kernel alone, same run (2026-12-01), 618-619
+  // vs 600-605 TFLOP/s non-causal 8k, 544-551 vs 542-543 causal 8k. d64/d96 are not measured;
+  // d192/d256 have no room for O and stage it in Q's buffer.
+  static constexpr bool kEarlyQRelease = kHeadDim == 128;
+  static constexpr int kOBufferElems = kEarlyQRelease ? int(cosize_v<SmemLayoutO>) : 1;
+
   struct SharedStorage {
-    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;  // also O
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;  // also O, or:
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
+    alignas(1024) cute::array_aligned<Element, kOBufferElems, 1024> o;  // O (kEarlyQRelease)
     // mbarriers (see mainloop.h for the protocol)
     uint64_t q_full;
     uint64_t q_empty;
@@ -113,8 +122,15 @@ struct KernelTraits {
     uint64_t v_full[kStages];
     uint64_t v_empty[kStages];
   };
-  // Where the epilogue stages O: Q's buffer (Q is dead once the tile's last S GEMM completed).
-  __device__ __forceinline__ static ElementOut* o_smem(SharedStorage& ss) { return ss.q.data(); }
+  // Where the epilogue stages O: its own buffer, or Q's (Q is dead once the tile's last S = QK^T
+  // GEMM completed).
+  __device__ __forceinline__ static ElementOut* o_smem(SharedStorage& ss) {
+    if constexpr (kEarlyQRelease) {
+      return ss.o.data();
+    } else {
+      return ss.q.data();
+    }
+  }
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 232448, "shared memory over the 227 KB per-block limit");
 };

@@ -2,10 +2,12 @@
 //
 // Barrier protocol (all mbarriers in SharedStorage, initialised in kernel.h):
 //   q_full      count 1 + tx   producer arrive_expect_tx(Q bytes); TMA completes the bytes
-//   q_empty     count 1        consumer thread 0 after the tile's O left shared memory (O is
-//                              staged in Q's buffer, so the next Q must wait for the TMA store)
+//   q_empty     count 8 or 1   Traits::kEarlyQRelease: one arrive per consumer warp once its S
+//                              GEMM of the tile's last K/V block finished (Q is dead; the next Q
+//                              loads under the tile's tail). Else consumer thread 0 once the TMA
+//                              store has read O (staged in Q's buffer, or for fp8 in its own)
 //   k_full[s]   count 1 + tx   as q_full, per stage
-//   k_empty[s]  count 8        one arrive per consumer warp once its S = QK^T wgmma finished
+//   k_empty[s]  count 8 (12)   one arrive per consumer warp once its S = QK^T wgmma finished
 //   v_full[s], v_empty[s]      the same for V after the O += PV wgmma
 // Parity: waiters of "full" wait for parity `phase` (starting 0); the producer waits on "empty"
 // for parity `phase ^ 1`, which a fresh barrier reports as already completed (the buffers start
