@@ -32,25 +32,35 @@ def _cutlass_include():
   return path if (path / "cute" / "tensor.hpp").exists() else None
 
 
-def _compile_and_run(tmp_path, name: str, nvcc_flags=(), with_cute: bool = True) -> str:
-  """Builds tests/cuda/<name>.cu with nvcc (and the CuTe headers unless with_cute is False; host
-  code unless nvcc_flags name a GPU arch), runs it, fails on a nonzero exit or FAILED in its
-  output; returns its stdout."""
+def _compile(out_dir, source: pathlib.Path, name: str, nvcc_flags=(), with_cute: bool = True):
+  """Builds source with nvcc (and the CuTe headers unless with_cute is False; host code unless
+  nvcc_flags name a GPU arch) into out_dir/name; skips without nvcc or the headers."""
   nvcc = _nvcc()
   cutlass = _cutlass_include() if with_cute else None
   if nvcc is None or (with_cute and cutlass is None):
     pytest.skip(f"needs nvcc ({nvcc or 'not found'})" + (
         f" and the nvidia-cutlass headers ({cutlass or 'not installed'})" if with_cute else ""))
-  exe = tmp_path / name
+  exe = pathlib.Path(out_dir) / name
   includes = ["-I", str(REPO / "cuda")] + (["-I", str(cutlass)] if with_cute else [])
   build = subprocess.run(
       [nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-w", *nvcc_flags, *includes, "-o",
-       str(exe), str(REPO / "tests" / "cuda" / f"{name}.cu")],
+       str(exe), str(source)],
       capture_output=True, text=True, timeout=900)
   assert build.returncode == 0, build.stderr[-3000:]
-  run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+  return exe
+
+
+def _run_checked(exe, *args) -> str:
+  """Runs exe; fails on a nonzero exit or FAILED in its output; returns its stdout."""
+  run = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, timeout=300)
   assert run.returncode == 0 and "FAILED" not in run.stdout, run.stdout + run.stderr
   return run.stdout
+
+
+def _compile_and_run(tmp_path, name: str, nvcc_flags=(), with_cute: bool = True) -> str:
+  """Builds tests/cuda/<name>.cu (see _compile), runs it (see _run_checked)."""
+  return _run_checked(_compile(tmp_path, REPO / "tests" / "cuda" / f"{name}.cu", name,
+                               nvcc_flags, with_cute))
 
 
 def test_backward_layout_facts_hold_for_every_bucket(tmp_path):
