@@ -15,7 +15,7 @@ using namespace cute;
 // kBlockN per head-dim bucket (kBlockM is 128 = 2 consumer warpgroups x 64 rows everywhere).
 // Budget: Q (aliased by O) + 2 stages of K and V must fit in 227 KB (232448 B); the consumer's
 // registers hold S (kBlockN/2 fp32), O (d/2 fp32) and P (kBlockN/4 32-bit) per thread below 240.
-//   d64 : 128x160 -> 16K + 2*2*20K  =  96 KB   S 80 + O 32 regs
+//   d64 : 128x160 -> 16K + 2*2*20K  =  96 KB   S 80 + O 32 regs  (+ a 16K O buffer: kEarlyQRelease)
 //   d96 : 128x144 -> 24K + 2*2*27K  = 132 KB   S 72 + O 48
 //   d128: 128x128 -> 32K + 2*2*32K  = 160 KB   S 64 + O 64   (+ a 32K O buffer: kEarlyQRelease;
 //         FA3's 176 spilled ~230 B here with the overlapped mainloop: S 88 + P 44 + O 64 live)
@@ -103,10 +103,11 @@ struct KernelTraits {
 
   // Early Q release (consumer.h): O gets its own buffer, so Q's buffer is free once a tile's last
   // S GEMM completed and the next tile's Q loads under this tile's last softmax, PV GEMM and
-  // epilogue. d128 only (160 + 32 KB of smem): H200 kernel alone, same run (2026-12-01), 618-619
-  // vs 600-605 TFLOP/s non-causal 8k, 544-551 vs 542-543 causal 8k. d64/d96 are not measured;
-  // d192/d256 have no room for O and stage it in Q's buffer.
-  static constexpr bool kEarlyQRelease = kHeadDim == 128;
+  // epilogue. H200 kernel alone, same run: d128 (160 + 32 KB of smem; 2026-12-01) 618-619 vs
+  // 600-605 TFLOP/s non-causal 8k, 544-551 vs 542-543 causal 8k; d64 (96 + 16 KB; ninth session)
+  // 458 vs 455-456 non-causal 8k, 407-408 vs 401 causal 8k. d96 is not measured; d192/d256 have
+  // no room for O and stage it in Q's buffer.
+  static constexpr bool kEarlyQRelease = kHeadDim == 64 || kHeadDim == 128;
   static constexpr int kOBufferElems = kEarlyQRelease ? int(cosize_v<SmemLayoutO>) : 1;
 
   struct SharedStorage {
