@@ -77,12 +77,7 @@ int main(int argc, char** argv) {
 #ifdef TOOL_BF16
   const char* dtype_label = "bf16";
   jax_fa3::FlashFwdParams p{};
-  const auto hq = random_bf16(size_t(b) * s * h * d, rng);
-  const auto hk = random_bf16(size_t(b) * s * h * d, rng);
-  const auto hv = random_bf16(size_t(b) * s * h * d, rng);
-  p.q = upload(hq);
-  p.k = upload(hk);
-  p.v = upload(hv);
+  auto random_input = random_bf16;
   CHECK(cudaMalloc(&p.o, size_t(b) * s * h * d * 2));
   CHECK(cudaMalloc(&p.lse, size_t(b) * h * s * 4));
   p.b = b; p.s_q = s; p.s_k = s; p.h = h; p.h_k = h; p.d = d;
@@ -101,12 +96,7 @@ int main(int argc, char** argv) {
   for (auto* v : {&qs, &ks, &vs}) for (auto& x : *v) x = uni(rng);
 
   jax_fa3::FlashFwdFp8Params p{};
-  const auto hq = random_e4m3(size_t(b) * s * h * d, rng);
-  const auto hk = random_e4m3(size_t(b) * s * h * d, rng);
-  const auto hv = random_e4m3(size_t(b) * s * h * d, rng);
-  p.q = upload(hq);
-  p.k = upload(hk);
-  p.v = upload(hv);
+  auto random_input = random_e4m3;
   p.q_scale = upload(qs);
   p.k_scale = upload(ks);
   p.v_scale = upload(vs);
@@ -121,6 +111,12 @@ int main(int argc, char** argv) {
 
   auto launch = [&] { return jax_fa3::run_flash_fwd_fp8<TOOL_HDIM>(p, nullptr); };
 #endif
+  const auto hq = random_input(size_t(b) * s * h * d, rng);
+  const auto hk = random_input(size_t(b) * s * h * d, rng);
+  const auto hv = random_input(size_t(b) * s * h * d, rng);
+  p.q = upload(hq);
+  p.k = upload(hk);
+  p.v = upload(hv);
   cudaEvent_t start, stop;
   CHECK(cudaEventCreate(&start));
   CHECK(cudaEventCreate(&stop));
