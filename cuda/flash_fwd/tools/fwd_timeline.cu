@@ -148,7 +148,7 @@ int main(int argc, char** argv) {
     auto qv = [&](int, int, int, size_t i) { return val(hq, i); };
     auto kv = [&](int, int, int, size_t i) { return val(hk, i); };
     auto vv = [&](int, int, size_t i) { return val(hv, i); };
-    const double tol = 0.03;
+    const double tol = 0.01;
 #else
     auto e4m3 = [](uint8_t x) {
       __nv_fp8_e4m3 f;
