@@ -1,0 +1,79 @@
+"""The compiled kernels' SASS, checked on the CPU (CI builds the whole sm_90a library).
+
+tools/sass_report.py counts, per kernel, the instructions that show the FlashAttention-3 design
+(HGMMA/QGMMA: wgmma; UTMALDG/UTMASTG: TMA; USETMAXREG: the register split between producer and
+consumers) and local-memory traffic (LDL/STL: register spills). This pins them: every attention
+kernel uses wgmma of its type (QGMMA for fp8, the FP8 issue's "SASS shows QGMMA"), TMA loads and
+setmaxnreg, and no kernel spills more than it does today. The one known spill: the fp8 d128
+forward's consumers are capped at 208 registers (fp8_traits.h: faster than 240), which leaves
+ptxas 8 bytes to spill (2 STL + 2 LDL). A new spill anywhere fails here before it costs speed.
+Skipped without the installed kernels library (a pure-JAX install) or cuobjdump (the test extra
+nvidia-cuda-cuobjdump provides it).
+"""
+import importlib.util
+import os
+import pathlib
+import re
+
+import pytest
+
+import jax_fa3
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+# Local-memory instructions (LDL + STL) allowed per kernel; every other kernel: none.
+SPILL_BUDGET = {r"flash_fwd_kernel<fwd::Fp8KernelTraits<128> >": 4}
+
+
+def _sass_report():
+  spec = importlib.util.spec_from_file_location("sass_report", REPO / "tools" / "sass_report.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.fixture(scope="module")
+def kernels():
+  library = pathlib.Path(os.environ.get(
+      "JAX_FA3_KERNELS_LIB", pathlib.Path(jax_fa3.__file__).parent / "libjax_fa3_kernels.so"))
+  if not library.exists():
+    pytest.skip(f"no compiled kernels library at {library} (pure-JAX install; set "
+                "JAX_FA3_KERNELS_LIB to check a build elsewhere)")
+  report = _sass_report()
+  if report.find_cuobjdump() is None:
+    pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+  # Names without the jax_fa3:: / cutlass:: qualifiers, e.g.
+  # "void fwd::flash_fwd_kernel<fwd::Fp8KernelTraits<128> >(fwd::KernelParams<...>)".
+  return [(re.sub(r"jax_fa3::|cutlass::", "", name), counts)
+          for name, counts in report.kernel_counts(str(library))]
+
+
+def _matching(kernels, pattern):
+  found = [(name, counts) for name, counts in kernels if re.search(pattern, name)]
+  assert found, f"no kernel matches {pattern}"
+  return found
+
+
+@pytest.mark.parametrize("pattern,mma", [
+    (r"flash_fwd_kernel<fwd::KernelTraits<", "HGMMA"),
+    (r"flash_fwd_kernel<fwd::Fp8KernelTraits<", "QGMMA"),
+    (r"flash_bwd_kernel<flash_bwd::BwdTraits<", "HGMMA"),
+])
+def test_attention_kernels_use_wgmma_tma_and_setmaxnreg(kernels, pattern, mma):
+  for name, counts in _matching(kernels, pattern):
+    other = "HGMMA" if mma == "QGMMA" else "QGMMA"
+    assert counts[mma] > 0 and counts[other] == 0, (name, counts)
+    assert counts["UTMALDG"] > 0, (name, counts)
+    assert counts["USETMAXREG"] == 2, (name, counts)  # producer down, consumers up
+    if "fwd" in pattern:
+      assert counts["UTMASTG"] > 0, (name, counts)  # O leaves through a TMA store
+
+
+def test_no_kernel_spills_beyond_its_budget(kernels):
+  over = []
+  for name, counts in kernels:
+    budget = next((b for p, b in SPILL_BUDGET.items() if re.search(p, name)), 0)
+    local = counts["LDL"] + counts["STL"]
+    if local > budget:
+      over.append(f"{name}: {local} local-memory instructions (budget {budget})")
+  assert not over, "\n".join(over)
