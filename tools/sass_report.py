@@ -47,8 +47,8 @@ def kernel_counts(path: str) -> list[tuple[str, dict[str, int]]]:
   names = [f.split("\n", 1)[0].strip() for f in functions]
   demangled = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True,
                              text=True).stdout.splitlines()
-  return sorted((name, {k: len(re.findall(p, body)) for k, p in COUNTED.items()})
-                for name, body in zip(demangled, functions))
+  return sorted(((name, {k: len(re.findall(p, body)) for k, p in COUNTED.items()})
+                 for name, body in zip(demangled, functions)), key=lambda item: item[0])
 
 
 def main(path: str) -> int:
