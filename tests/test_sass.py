@@ -7,8 +7,8 @@ kernel uses wgmma of its type (QGMMA for fp8, the FP8 issue's "SASS shows QGMMA"
 setmaxnreg, and no kernel spills more than it does today. The one known spill: the fp8 d128
 forward's consumers are capped at 208 registers (fp8_traits.h: faster than 240), which leaves
 ptxas 8 bytes to spill (2 STL + 2 LDL). A new spill anywhere fails here before it costs speed.
-Skipped without the installed kernels library (a pure-JAX install) or cuobjdump (the test extra
-nvidia-cuda-cuobjdump provides it).
+Skipped without the installed kernels library (a pure-JAX install) or cuobjdump and nvdisasm (the
+test extra's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm provide them).
 """
 import importlib.util
 import os
@@ -41,7 +41,8 @@ def kernels():
                 "JAX_FA3_KERNELS_LIB to check a build elsewhere)")
   report = _sass_report()
   if report.find_cuobjdump() is None:
-    pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    pytest.skip("cuobjdump with nvdisasm not found (pip install nvidia-cuda-cuobjdump "
+                "nvidia-cuda-nvdisasm)")
   # Names without the jax_fa3:: / cutlass:: qualifiers, e.g.
   # "void fwd::flash_fwd_kernel<fwd::Fp8KernelTraits<128> >(fwd::KernelParams<...>)".
   return [(re.sub(r"jax_fa3::|cutlass::", "", name), counts)

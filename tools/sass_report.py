@@ -1,7 +1,7 @@
 """Per-kernel SASS evidence for the compiled kernels library: tensor-core, TMA and register-split
 instructions, and local-memory traffic (LDL/STL = register spills), one line per kernel.
 
-    pip install nvidia-cuda-cuobjdump        # cuobjdump for CUDA 13, if not on PATH
+    pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm   # CUDA 13's, if not on PATH
     python tools/sass_report.py build/<dir>/libjax_fa3_kernels.so
 """
 import os
@@ -28,21 +28,29 @@ def cuobjdump() -> str:
         return candidate
   except ImportError:
     pass
-  sys.exit("cuobjdump not found: pip install nvidia-cuda-cuobjdump")
+  sys.exit("cuobjdump not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
 
 
 def find_cuobjdump() -> str | None:
-  """cuobjdump's path, or None (cuobjdump() exits instead)."""
+  """cuobjdump's path if it can dump SASS (it runs nvdisasm, looked up on PATH or next to it),
+  else None (cuobjdump() exits instead)."""
   try:
-    return cuobjdump()
+    path = cuobjdump()
   except SystemExit:
     return None
+  nvdisasm = os.path.join(os.path.dirname(path), "nvdisasm")
+  return path if os.path.exists(nvdisasm) or shutil.which("nvdisasm") else None
 
 
 def kernel_counts(path: str) -> list[tuple[str, dict[str, int]]]:
   """(demangled kernel name, {instruction: count}) for every kernel in the library, sorted."""
-  sass = subprocess.run([cuobjdump(), "--dump-sass", path], check=True, capture_output=True,
-                        text=True).stdout
+  tool = cuobjdump()
+  # cuobjdump runs nvdisasm for SASS: the pip wheels put both in the same directory.
+  env = dict(os.environ, PATH=os.path.dirname(tool) + os.pathsep + os.environ.get("PATH", ""))
+  run = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True, env=env)
+  if run.returncode != 0:
+    raise RuntimeError(f"cuobjdump --dump-sass {path} failed: {run.stderr.strip()}")
+  sass = run.stdout
   functions = re.split(r"\n\s*Function : ", sass)[1:]
   names = [f.split("\n", 1)[0].strip() for f in functions]
   demangled = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True,
