@@ -43,10 +43,8 @@ def kernels():
   if report.find_cuobjdump() is None:
     pytest.skip("cuobjdump with nvdisasm not found (pip install nvidia-cuda-cuobjdump "
                 "nvidia-cuda-nvdisasm)")
-  # Names without the jax_fa3:: / cutlass:: qualifiers, e.g.
-  # "void fwd::flash_fwd_kernel<fwd::Fp8KernelTraits<128> >(fwd::KernelParams<...>)".
-  return [(re.sub(r"jax_fa3::|cutlass::", "", name), counts)
-          for name, counts in report.kernel_counts(str(library))]
+  # Short names, e.g. "void fwd::flash_fwd_kernel<fwd::Fp8KernelTraits<128> >".
+  return [(report.short_name(name), counts) for name, counts in report.kernel_counts(str(library))]
 
 
 def _matching(kernels, pattern):

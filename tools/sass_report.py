@@ -16,36 +16,35 @@ COUNTED = {"HGMMA": r"\bHGMMA\b", "QGMMA": r"\bQGMMA\b", "UTMALDG": r"\bUTMALDG\
            "LDL": r"\bLDL\b", "STL": r"\bSTL\b"}
 
 
-def cuobjdump() -> str:
-  found = shutil.which("cuobjdump")
-  if found:
-    return found
-  try:
-    import nvidia  # noqa: PLC0415
-    for root in nvidia.__path__:
-      candidate = os.path.join(root, "cu13", "bin", "cuobjdump")
-      if os.path.exists(candidate):
-        return candidate
-  except ImportError:
-    pass
-  sys.exit("cuobjdump not found: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
-
-
 def find_cuobjdump() -> str | None:
-  """cuobjdump's path if it can dump SASS (it runs nvdisasm, looked up on PATH or next to it),
-  else None (cuobjdump() exits instead)."""
-  try:
-    path = cuobjdump()
-  except SystemExit:
+  """cuobjdump's path (PATH, else the nvidia-cuda-cuobjdump wheel) if it can dump SASS: it runs
+  nvdisasm, which must be on PATH or next to it (the wheels share a directory). Else None."""
+  path = shutil.which("cuobjdump")
+  if path is None:
+    try:
+      import nvidia  # noqa: PLC0415
+      candidates = [os.path.join(root, "cu13", "bin", "cuobjdump") for root in nvidia.__path__]
+      path = next((c for c in candidates if os.path.exists(c)), None)
+    except ImportError:
+      pass
+  if path is None:
     return None
-  nvdisasm = os.path.join(os.path.dirname(path), "nvdisasm")
-  return path if os.path.exists(nvdisasm) or shutil.which("nvdisasm") else None
+  nvdisasm_beside = os.path.exists(os.path.join(os.path.dirname(path), "nvdisasm"))
+  return path if nvdisasm_beside or shutil.which("nvdisasm") else None
+
+
+def short_name(kernel: str) -> str:
+  """A demangled kernel name without namespace qualifiers and parameter list."""
+  return re.sub(r"jax_fa3::|cutlass::|\(anonymous namespace\)::", "", kernel).split("(")[0]
 
 
 def kernel_counts(path: str) -> list[tuple[str, dict[str, int]]]:
   """(demangled kernel name, {instruction: count}) for every kernel in the library, sorted."""
-  tool = cuobjdump()
-  # cuobjdump runs nvdisasm for SASS: the pip wheels put both in the same directory.
+  tool = find_cuobjdump()
+  if tool is None:
+    sys.exit("cuobjdump/nvdisasm not found: "
+             "pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm")
+  # cuobjdump looks nvdisasm up on PATH: put its own directory (the wheels' shared one) first.
   env = dict(os.environ, PATH=os.path.dirname(tool) + os.pathsep + os.environ.get("PATH", ""))
   run = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True, env=env)
   if run.returncode != 0:
@@ -65,8 +64,7 @@ def main(path: str) -> int:
   spills = 0
   for name, counts in kernel_counts(path):
     spills += counts["LDL"] + counts["STL"]
-    short = re.sub(r"jax_fa3::|cutlass::|\(anonymous namespace\)::", "", name).split("(")[0]
-    print(f"| {short} | " + " | ".join(str(v) for v in counts.values()) + " |")
+    print(f"| {short_name(name)} | " + " | ".join(str(v) for v in counts.values()) + " |")
   print(f"\nlocal-memory instructions (spills) in all kernels: {spills}")
   return 0
 
