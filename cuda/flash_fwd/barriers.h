@@ -1,6 +1,6 @@
 // Thin wrappers over the synchronization primitives the kernel uses: mbarriers (TMA completion and
 // buffer release) and named barriers (consumer warpgroups only). Kept here so the protocol in
-// mainloop.h reads as a protocol.
+// producer.h and consumer.h reads as a protocol.
 #pragma once
 #include <cstdint>
 #include <cutlass/arch/barrier.h>

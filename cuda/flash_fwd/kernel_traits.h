@@ -115,7 +115,7 @@ struct KernelTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
     alignas(1024) cute::array_aligned<Element, kOBufferElems, 1024> o;  // O (kEarlyQRelease)
-    // mbarriers (see mainloop.h for the protocol)
+    // mbarriers (the protocol: producer.h)
     uint64_t q_full;
     uint64_t q_empty;
     uint64_t k_full[kStages];
