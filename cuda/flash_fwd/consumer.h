@@ -5,6 +5,8 @@
 #pragma once
 #include "flash_fwd/cute_config.h"
 #include <cute/tensor.hpp>
+#include <type_traits>
+#include <utility>
 
 #include "flash_fwd/barriers.h"
 #include "flash_fwd/block_info.h"
@@ -25,21 +27,34 @@ __device__ __forceinline__ void release_stage(uint64_t* empty_bar) {
   if (threadIdx.x % 32 == 0) mbar_arrive(empty_bar);
 }
 
+// f(integral_constant<int, i>) for i = 0 .. N-1, unrolled at compile time.
+template <class F, int... I>
+__device__ __forceinline__ void static_for_impl(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, class F>
+__device__ __forceinline__ void static_for(F&& f) {
+  static_for_impl(f, std::make_integer_sequence<int, N>{});
+}
+
 // P (fp32 probabilities in the S accumulator) -> Element A-operand registers of the PV wgmma.
 // For 16-bit types the accumulator order is the A-fragment order (see softmax.h), so this is an
 // element-wise conversion into a tensor with the A-fragment shape.
-template <class FragS, class FragP>
+// [kStepBegin, kStepEnd): the k16 steps to convert (8 elements each).
+template <int kStepBegin, int kStepEnd, class FragS, class FragP>
 __device__ __forceinline__ void convert_p(FragS const& tSrS, FragP& tOrP) {
   using Element = typename FragP::value_type;
   static_assert(decltype(size(tOrP))::value == decltype(size(tSrS))::value);
+  static_assert(decltype(size<0>(tOrP))::value == 8, "8 A elements per thread and k16 step");
 #pragma unroll
-  for (int i = 0; i < size(tSrS); ++i) tOrP(i) = static_cast<Element>(tSrS(i));
+  for (int i = 8 * kStepBegin; i < 8 * kStepEnd; ++i) tOrP(i) = static_cast<Element>(tSrS(i));
 }
 
-// Ping-pong (round robin) between the kNumWarpGroups consumer warpgroups (2, or 3 for the fp8
-// 192-row tiles): named barriers of 256 threads each (128 sync + 128 arrive). A warpgroup issues
-// its GEMMs only in its turn and hands the turn to the next warpgroup right after issuing, so the
-// tensor cores run one warpgroup's GEMMs while the others do their softmax.
+// Ping-pong (round robin) between the kNumWarpGroups consumer warpgroups (2, or 3 for 192-row
+// tiles; the fp8 ones take no turns today, Traits::kPingPong): named barriers of 256 threads
+// each (128 sync + 128 arrive). A warpgroup issues its GEMMs only in its turn and hands the turn
+// to the next warpgroup right after issuing, so the tensor cores run one warpgroup's GEMMs while
+// the others do their softmax.
 // Protocol: the last warpgroup pre-arrives on warpgroup 0's barrier (warpgroup 0 goes first);
 // every turn is sync(own) ... arrive(next); all warpgroups take the same number of turns per tile
 // (one per K/V block plus one with the overlap, two per block without), so the k-th sync of one
@@ -81,6 +96,15 @@ struct PingPong {
   }
 };
 
+// Traits::kPingPong false: the warpgroups issue their GEMMs whenever they are ready.
+struct NoPingPong {
+  int wg;
+  __device__ __forceinline__ void start() const {}
+  __device__ __forceinline__ void wait_turn() const {}
+  __device__ __forceinline__ void pass_turn() const {}
+  __device__ __forceinline__ void finish() const {}
+};
+
 // The fp8 kernel (Traits::kFp8) differs in a few `if constexpr` places only, so the 16-bit code
 // path is exactly what it was: S is descaled per column (k_scale) and per row (q_scale, folded
 // into the exp2 FFMA), P is 2^8-shifted and packed into e4m3 in place (fp8_softmax.h,
@@ -115,7 +139,8 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   const FragCoord fc = FragCoord::of_thread(thread_in_wg);
   const int off = sc.s_k - sc.s_q;
   const bool use_softcap = sc.softcap > 0.f;
-  const PingPong<kNumWarpGroups> pingpong{thread_idx / 128};
+  using Turns = std::conditional_t<Traits::kPingPong, PingPong<kNumWarpGroups>, NoPingPong>;
+  const Turns pingpong{thread_idx / 128};
   pingpong.start();
 
   // Traits::kEarlyQRelease: Q's buffer is dead for a warp once its wait for the S GEMM of the
@@ -199,34 +224,56 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
         rescale_rows(tOrO, factor);
       }
     };
-    // The exp2 scale: one scalar (16-bit), or per (row, key group) (fp8). n_block: the block
-    // being finished; fp8 starts the next block's scale loads here, before using this block's.
-    auto softmax_update = [&](auto& tSrS, int n_block) {
+    // One softmax update in two halves, softmax_max() then softmax_exp(), so that the pipelined PV
+    // (Traits::kPipelinedPv) can issue GEMM k-steps between parts of the exp2 pass. The exp2
+    // argument is s * coef - shift: coef one scalar (16-bit) or per (row, key group) (fp8), shift
+    // per row. n_block: the block being finished; fp8 starts the next block's scale loads here,
+    // before using this block's.
+    [[maybe_unused]] float coef[2][kKeyGroups];
+    float shift[2];
+    auto softmax_max = [&](auto const& tSrS, int n_block) {
       if constexpr (kFp8) {
         load_key_group_scales(n_block - 1, ks_next);
-        float coef[2][kKeyGroups];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
 #pragma unroll
           for (int g = 0; g < kKeyGroups; ++g) coef[r][g] = row_scale[r] * ks_cur[g];
         }
-        float shift[2];
         softmax.update_max(tSrS, coef, correction, shift);
-        trace_stamp(pingpong.wg, trace_step, kTraceMaxDone);
-        softmax.template exponentiate<Traits::kExp2FmaPeriod>(tSrS, coef, shift);
-#pragma unroll
-        for (int g = 0; g < kKeyGroups; ++g) ks_cur[g] = ks_next[g];
       } else {
-        softmax.template update<Traits::kExp2FmaPeriod>(tSrS, sc.scale_log2, correction);
+        softmax.update_max(tSrS, sc.scale_log2, correction, shift);
       }
+      trace_stamp(pingpong.wg, trace_step, kTraceMaxDone);
     };
-    auto to_p = [&](auto const& tSrS) {
+    // The flat S elements [begin, end) (compile-time constants); the last part also retires this
+    // block's k scales (fp8).
+    auto softmax_exp = [&](auto& tSrS, auto begin, auto end) {
+      constexpr int kBegin = decltype(begin)::value;
+      constexpr int kEnd = decltype(end)::value;
       if constexpr (kFp8) {
-        convert_p_fp8(tSrS, tOrP);
+        softmax.template exponentiate<Traits::kExp2FmaPeriod, kBegin, kEnd>(tSrS, coef, shift);
+        if constexpr (kEnd == decltype(size(tSrS))::value) {
+#pragma unroll
+          for (int g = 0; g < kKeyGroups; ++g) ks_cur[g] = ks_next[g];
+        }
       } else {
-        convert_p(tSrS, tOrP);
+        softmax.template exponentiate<Traits::kExp2FmaPeriod, kBegin, kEnd>(tSrS, sc.scale_log2,
+                                                                            shift);
       }
     };
+    auto softmax_update = [&](auto& tSrS, int n_block) {
+      softmax_max(tSrS, n_block);
+      softmax_exp(tSrS, Int<0>{}, size(tSrS));
+    };
+    // P's k-steps [begin, end) of the PV GEMM (compile-time constants).
+    auto to_p = [&](auto const& tSrS, auto begin, auto end) {
+      if constexpr (kFp8) {
+        convert_p_fp8<decltype(begin)::value, decltype(end)::value>(tSrS, tOrP);
+      } else {
+        convert_p<decltype(begin)::value, decltype(end)::value>(tSrS, tOrP);
+      }
+    };
+    constexpr auto kPvSteps = size<2>(tOrP);
 
     mbar_wait(&ss.q_full, q_phase);
     q_phase ^= 1;
@@ -243,14 +290,34 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
         release_stage(&ss.k_empty[kv.stage]);
         release_q_after_last_s(n_block, range);
         finish_scores(tSrS, n_block);
-        softmax_update(tSrS, n_block);
-        rescale_o(correction);
-        to_p(tSrS);
-        mbar_wait(&ss.v_full[kv.stage], kv.phase);
-        pingpong.wait_turn();
-        warpgroup_gemm</*zero_init=*/false, /*wait=*/-1, /*a_regs=*/true>(
-            mma_pv, tOrP, tOrV(_, _, _, kv.stage), tOrO);
-        pingpong.pass_turn();
+        if constexpr (Traits::kPipelinedPv) {
+          // Each k-step of P is exponentiated, converted and handed to the tensor cores at once,
+          // so the PV GEMM runs under the rest of the exp2 pass instead of after it. O must be
+          // rescaled before the first k-step accumulates into it.
+          softmax_max(tSrS, n_block);
+          rescale_o(correction);
+          mbar_wait(&ss.v_full[kv.stage], kv.phase);
+          pingpong.wait_turn();
+          constexpr int kPerStep = decltype(size(tSrS))::value / kPvSteps;
+          static_for<kPvSteps>([&](auto step) {
+            // Keeps this step's exponentials from drifting past the previous step's GEMM issue.
+            warpgroup_fence_operand(tSrS);
+            softmax_exp(tSrS, Int<kPerStep * step>{}, Int<kPerStep * (step + 1)>{});
+            to_p(tSrS, step, Int<step + 1>{});
+            warpgroup_gemm_ksteps<step, step + 1, /*a_regs=*/true>(
+                mma_pv, tOrP, tOrV(_, _, _, kv.stage), tOrO);
+          });
+          pingpong.pass_turn();
+        } else {
+          softmax_update(tSrS, n_block);
+          rescale_o(correction);
+          to_p(tSrS, Int<0>{}, kPvSteps);
+          mbar_wait(&ss.v_full[kv.stage], kv.phase);
+          pingpong.wait_turn();
+          warpgroup_gemm</*zero_init=*/false, /*wait=*/-1, /*a_regs=*/true>(
+              mma_pv, tOrP, tOrV(_, _, _, kv.stage), tOrO);
+          pingpong.pass_turn();
+        }
         warpgroup_wait<0>();
         release_stage(&ss.v_empty[kv.stage]);
         kv.advance();
@@ -268,7 +335,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
         release_q_after_last_s(n_block, range);
         finish_scores(tSrS, n_block);
         softmax_update(tSrS, n_block);
-        to_p(tSrS);
+        to_p(tSrS, Int<0>{}, kPvSteps);
       }
       // Steady state (intra-warpgroup overlap): issue S(n) = QK^T and O += P(n+1) V(n+1), then do
       // the softmax of S(n) while the PV GEMM is still running; O is rescaled only after it.
@@ -298,7 +365,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
         trace_stamp(pingpong.wg, trace_step, kTracePvDone);
         release_stage(&ss.v_empty[prev.stage]);
         rescale_o(correction);
-        to_p(tSrS);
+        to_p(tSrS, Int<0>{}, kPvSteps);
         trace_stamp(pingpong.wg, trace_step, kTraceEnd);
         ++trace_step;
       }

@@ -19,6 +19,7 @@
 
 namespace jax_fa3::fwd {
 
+
 using namespace cute;
 
 // kBlockN per head dim for fp8. Registers per consumer thread (fp32 S kBlockN/2, e4m3 P kBlockN/8,
@@ -82,6 +83,15 @@ struct Fp8KernelTraits {
   // 706-710 vs 804-810; d256 period 4 941-946 vs 967-973: the d128 and d256 loops are not
   // MUFU-bound (session 5 found the same at d128).
   static constexpr int kExp2FmaPeriod = kHeadDim == 64 ? 4 : 0;
+  // In the plain order (no intra-warpgroup overlap: d64's three warpgroups, d256), P's k-steps go
+  // to the PV GEMM one by one as their exponentials are done (consumer.h), and the warpgroups
+  // take no ping-pong turns. Kernel alone, 8k, same runs (H200, 2026-12-01, benchmarks/RESULTS.md):
+  // d256 1028-1031 TFLOP/s vs 954 (causal 920-927 vs 870), d64 531 vs 482 (causal 465 vs 434).
+  // Kept with the ping-pong turns, the turn is held through the whole exp2 pass: d256 953. Not
+  // taken: d128 in the plain order pipelined (729 vs 796 with the overlap), the overlap's PV
+  // issued in 2 or 4 pieces between parts of the exp2 pass (736-753), bf16 d256 (606-610 vs 622).
+  static constexpr bool kPipelinedPv = !kIntraWgOverlap;
+  static constexpr bool kPingPong = !kPipelinedPv;
   static constexpr int kNumThreads = 128 * (kNumConsumerWarpGroups + 1);
   static constexpr int kNumConsumerThreads = 128 * kNumConsumerWarpGroups;
   // setmaxnreg budget (65536 registers per SM): at most 128 * 24 + 256 * 240 (two consumer

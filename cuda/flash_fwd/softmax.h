@@ -83,12 +83,21 @@ struct OnlineSoftmax {
   // sum) must be multiplied: exp2((old_max - new_max) * scale_log2). kExp2FmaPeriod: exp2_fma.h.
   template <int kExp2FmaPeriod, typename Frag>
   __device__ __forceinline__ void update(Frag& s, float scale_log2, float (&correction)[2]) {
+    float max_scaled[2];
+    update_max(s, scale_log2, correction, max_scaled);
+    exponentiate<kExp2FmaPeriod>(s, scale_log2, max_scaled);
+  }
+
+  // The two halves of update(), for callers that interleave the exponentials with other work:
+  // the new row maxima, the correction and the exp2 shift max_scaled...
+  template <typename Frag>
+  __device__ __forceinline__ void update_max(Frag const& s, float scale_log2,
+                                             float (&correction)[2], float (&max_scaled)[2]) {
     float new_max[2] = {row_max[0], row_max[1]};
 #pragma unroll
     for (int i = 0; i < cute::size(s); ++i) {
       new_max[frag_row(i)] = fmaxf(new_max[frag_row(i)], s(i));
     }
-    float max_scaled[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       new_max[r] = quad_max(new_max[r]);
@@ -99,8 +108,15 @@ struct OnlineSoftmax {
       row_max[r] = new_max[r];
       row_sum[r] *= correction[r];
     }
+  }
+
+  // ...and the exponentials of the flat elements [kBegin, kEnd) (all by default), summed.
+  template <int kExp2FmaPeriod, int kBegin = 0, int kEnd = -1, typename Frag>
+  __device__ __forceinline__ void exponentiate(Frag& s, float scale_log2,
+                                               const float (&max_scaled)[2]) {
+    constexpr int kStop = kEnd < 0 ? decltype(cute::size(s))::value : kEnd;
 #pragma unroll
-    for (int i = 0; i < cute::size(s); ++i) {
+    for (int i = kBegin; i < kStop; ++i) {
       const float p = softmax_exp2<kExp2FmaPeriod>(s(i) * scale_log2 - max_scaled[frag_row(i)], i);
       s(i) = p;
       row_sum[frag_row(i)] += p;

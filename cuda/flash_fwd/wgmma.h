@@ -32,4 +32,20 @@ __device__ __forceinline__ void warpgroup_gemm(TiledMma& mma, TA const& a, TB co
   if constexpr (kARegisters) warpgroup_fence_operand(const_cast<TA&>(a));
 }
 
+// The k-steps [kBegin, kEnd) of an accumulating RS-or-SS GEMM as one commit group, without a wait:
+// a GEMM issued in pieces between other work (consumer.h, Traits::kPipelinedPv).
+template <int kBegin, int kEnd, bool kARegisters, class TiledMma, class TA, class TB, class TC>
+__device__ __forceinline__ void warpgroup_gemm_ksteps(TiledMma& mma, TA const& a, TB const& b,
+                                                      TC& c) {
+  if constexpr (kARegisters) warpgroup_fence_operand(const_cast<TA&>(a));
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  mma.accumulate_ = GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int k = kBegin; k < kEnd; ++k) cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(c);
+  if constexpr (kARegisters) warpgroup_fence_operand(const_cast<TA&>(a));
+}
+
 }  // namespace jax_fa3::fwd
