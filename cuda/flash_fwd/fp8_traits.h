@@ -54,6 +54,11 @@ constexpr auto smem_atom_k_major_bytes() {
 // thread, so no intra-warpgroup overlap). Measured on the H200 (2026-12-01, 8k non-causal, kernel
 // alone, cuda/flash_fwd/tools/fwd_timeline.cu): d64 192x128 444 TFLOP/s vs 128x128 380; d128
 // 192x128 734 (ptxas spills ~70 bytes in the main loop at 160 registers) vs 128x128 795.
+// Tenth session, d128 192x128 in the plain order with the pipelined PV (kPipelinedPv, 12 bytes
+// spilled): 816-834 vs 799-803 non-causal 8k, causal 718-725 vs 701-711, but in the library the
+// causal 2k case lost (430 vs 458, other run): not taken; 192x96 767, 192x128 with every 8th
+// exp2 on the FMA pipe 790-792. Plain order pipelined at 128 rows: 128x224 791 (240 registers),
+// 128x192 755.
 template <int kHeadDim> struct BlockMFp8 { static constexpr int value = 128; };
 template <> struct BlockMFp8<64> { static constexpr int value = 192; };
 
