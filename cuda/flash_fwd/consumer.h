@@ -279,7 +279,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     q_phase ^= 1;
     int n_block = range.n_max - 1;
     if constexpr (!Traits::kIntraWgOverlap) {
-      // Plain order, two turns per block: S = QK^T; softmax; O += PV.
+      // Plain order: S = QK^T; softmax; O += PV (two ping-pong turns per block where taken).
       for (; n_block >= range.n_min; --n_block) {
         Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
         mbar_wait(&ss.k_full[kv.stage], kv.phase);
