@@ -19,7 +19,6 @@
 
 namespace jax_fa3::fwd {
 
-
 using namespace cute;
 
 // kBlockN per head dim for fp8. Registers per consumer thread (fp32 S kBlockN/2, e4m3 P kBlockN/8,
@@ -93,8 +92,8 @@ struct Fp8KernelTraits {
   // take no ping-pong turns. Kernel alone, 8k, same runs (H200, 2026-12-01, benchmarks/RESULTS.md):
   // d256 1028-1031 TFLOP/s vs 954 (causal 920-927 vs 870), d64 531 vs 482 (causal 465 vs 434).
   // Kept with the ping-pong turns, the turn is held through the whole exp2 pass: d256 953. Not
-  // taken: d128 in the plain order pipelined (729 vs 796 with the overlap), the overlap's PV
-  // issued in 2 or 4 pieces between parts of the exp2 pass (736-753), bf16 d256 (606-610 vs 622).
+  // taken at d128 (128x128): the plain order pipelined (729 vs 796 with the overlap), the overlap's
+  // PV issued in 2 or 4 pieces between parts of the exp2 pass (736-753), bf16 d256 (606-610 vs 622).
   static constexpr bool kPipelinedPv = !kIntraWgOverlap;
   static constexpr bool kPingPong = !kPipelinedPv;
   static constexpr int kNumThreads = 128 * (kNumConsumerWarpGroups + 1);
