@@ -13,7 +13,11 @@ import sys
 COUNTED = {"HGMMA": r"\bHGMMA\b", "QGMMA": r"\bQGMMA\b", "UTMALDG": r"\bUTMALDG\b",
            "UTMASTG": r"\bUTMASTG\b", "UTMAREDG": r"\bUTMAREDG\b", "UBLKRED": r"\bUBLKRED\b",
            "USETMAXREG": r"\bUSETMAXREG\b",
-           "LDL": r"\bLDL\b", "STL": r"\bSTL\b"}
+           "LDL": r"\bLDL\b", "STL": r"\bSTL\b",
+           # A wgmma whose very next instruction waits for it (each SASS instruction is two
+           # lines: text, then the rest of its encoding). ptxas serializes wgmmas it cannot prove
+           # safe (`-Xptxas -v`: "Potential Performance Loss", C7514/C7520) exactly this way.
+           "GMMA_THEN_WAIT": r"\b[HQ]GMMA\b[^\n]*\n[^\n]*\n[^\n]*WARPGROUP\.DEPBAR"}
 
 
 def find_cuobjdump() -> str | None:
