@@ -304,8 +304,8 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
             warpgroup_fence_operand(tSrS);
             softmax_exp(tSrS, Int<kPerStep * step>{}, Int<kPerStep * (step + 1)>{});
             to_p(tSrS, step, Int<step + 1>{});
-            warpgroup_gemm_ksteps<step, step + 1, /*a_regs=*/true>(
-                mma_pv, tOrP, tOrV(_, _, _, kv.stage), tOrO);
+            warpgroup_gemm_ksteps<step, step + 1, /*zero_init=*/false, /*wait=*/-1,
+                                  /*a_regs=*/true>(mma_pv, tOrP, tOrV(_, _, _, kv.stage), tOrO);
           });
           pingpong.pass_turn();
         } else {

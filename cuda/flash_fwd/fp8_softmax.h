@@ -90,8 +90,8 @@ struct Fp8OnlineSoftmax {
 
   // Second half: s -> 2^8 * exp2(s * coef - shift) in place, accumulated into the row sums.
   // kExp2FmaPeriod: which exponentials run on the FMA pipe (exp2_fma.h).
-  // [kBegin, kEnd): the flat elements to do (all by default).
-  template <int kExp2FmaPeriod, int kBegin = 0, int kEnd = 16 * kGroups, typename Frag>
+  // [kBegin, kEnd): the flat elements to do.
+  template <int kExp2FmaPeriod, int kBegin, int kEnd, typename Frag>
   __device__ __forceinline__ void exponentiate(Frag& s, const float (&coef)[2][kGroups],
                                                const float (&shift)[2]) {
 #pragma unroll
@@ -127,15 +127,14 @@ __device__ __forceinline__ uint32_t cvt_e4m3x2(float lo, float hi) {
 // P (fp32 in the S accumulator) -> e4m3 A-operand registers of the PV wgmma, in place order (see
 // fp8_layout.h: the key permutation lives in the transposed V). tOrP: the A fragment (16 e4m3
 // per k32 step, register-major), same element count as tSrS.
-// [kStepBegin, kStepEnd): the k32 steps to convert (all by default).
-template <int kStepBegin = 0, int kStepEnd = -1, class FragS, class FragP>
+// [kStepBegin, kStepEnd): the k32 steps to convert.
+template <int kStepBegin, int kStepEnd, class FragS, class FragP>
 __device__ __forceinline__ void convert_p_fp8(FragS const& tSrS, FragP& tOrP) {
   static_assert(decltype(size(tOrP))::value == decltype(size(tSrS))::value);
   static_assert(decltype(size(tSrS))::value % 16 == 0);
-  constexpr int kEnd = kStepEnd < 0 ? decltype(size(tSrS))::value / 16 : kStepEnd;
   Tensor p32 = cute::recast<uint32_t>(tOrP);
 #pragma unroll
-  for (int step = kStepBegin; step < kEnd; ++step) {
+  for (int step = kStepBegin; step < kStepEnd; ++step) {
 #pragma unroll
     for (int a = 0; a < 4; ++a) {
       const int base = 16 * step;

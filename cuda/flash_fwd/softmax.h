@@ -78,18 +78,10 @@ struct OnlineSoftmax {
     row_sum[0] = row_sum[1] = 0.f;
   }
 
-  // Turns the scores s into unnormalized probabilities p = exp2(s*scale_log2 - max*scale_log2)
-  // in place, updates max and sum, and returns in `correction` the factor by which O (and the old
-  // sum) must be multiplied: exp2((old_max - new_max) * scale_log2). kExp2FmaPeriod: exp2_fma.h.
-  template <int kExp2FmaPeriod, typename Frag>
-  __device__ __forceinline__ void update(Frag& s, float scale_log2, float (&correction)[2]) {
-    float max_scaled[2];
-    update_max(s, scale_log2, correction, max_scaled);
-    exponentiate<kExp2FmaPeriod>(s, scale_log2, max_scaled);
-  }
-
-  // The two halves of update(), for callers that interleave the exponentials with other work:
-  // the new row maxima, the correction and the exp2 shift max_scaled...
+  // One update in two halves, so that callers can interleave the exponentials with other work
+  // (consumer.h). update_max: the new row maxima, the exp2 shift max_scaled = max * scale_log2,
+  // and in `correction` the factor by which O (and the old sum) must be multiplied:
+  // exp2((old_max - new_max) * scale_log2).
   template <typename Frag>
   __device__ __forceinline__ void update_max(Frag const& s, float scale_log2,
                                              float (&correction)[2], float (&max_scaled)[2]) {
@@ -110,13 +102,14 @@ struct OnlineSoftmax {
     }
   }
 
-  // ...and the exponentials of the flat elements [kBegin, kEnd) (all by default), summed.
-  template <int kExp2FmaPeriod, int kBegin = 0, int kEnd = -1, typename Frag>
+  // exponentiate: the flat elements [kBegin, kEnd) of s turn into unnormalized probabilities
+  // p = exp2(s * scale_log2 - max_scaled) in place, summed into the rows. kExp2FmaPeriod:
+  // exp2_fma.h.
+  template <int kExp2FmaPeriod, int kBegin, int kEnd, typename Frag>
   __device__ __forceinline__ void exponentiate(Frag& s, float scale_log2,
                                                const float (&max_scaled)[2]) {
-    constexpr int kStop = kEnd < 0 ? decltype(cute::size(s))::value : kEnd;
 #pragma unroll
-    for (int i = kBegin; i < kStop; ++i) {
+    for (int i = kBegin; i < kEnd; ++i) {
       const float p = softmax_exp2<kExp2FmaPeriod>(s(i) * scale_log2 - max_scaled[frag_row(i)], i);
       s(i) = p;
       row_sum[frag_row(i)] += p;
