@@ -12,55 +12,77 @@
 
 namespace jax_fa3::fwd {
 
-constexpr int kVtTileKeys = 64;
-constexpr int kVtTileDims = 64;
-constexpr int kVtThreads = 256;
+// One CTA per 128 keys (four permutation groups) x 128 dims of one (batch, kv head).
+constexpr int kVtTileKeys = 128;
+constexpr int kVtTileDims = 128;
+constexpr int kVtThreads = 128;
 
-// grid (ceil(s_pad / 64), ceil(d / 64), b * h_k), 256 threads. d % 16 == 0 (16-byte rows).
+// grid (ceil(s_pad / 128), ceil(d / 128), b * h_k), 128 threads. d % 16 == 0 (16-byte rows).
+// Loads: 16-byte chunks of whole 128-byte key rows. Stores: each thread owns one group of 32 key
+// slots for four dims, gathers them as 32-bit words (4 dims of one key) from shared memory and
+// transposes 4x4 bytes with byte permutes, so it writes one full 32-byte sector per dim. Both
+// shared-memory phases touch 32 consecutive words per warp instruction: no bank conflicts.
+// The first version (64x64 tiles, one byte load and shift per output byte, 4-way bank conflicts)
+// measured 43 us of 1.78 ms at d128 8k (ncu, fourth session): ~1.6 TB/s. This one, in the
+// kernel-alone time that includes it (H200, eleventh session, benchmarks/RESULTS.md): d128
+// 799-801 vs 796-802 TFLOP/s, d256 1030 vs 1027, d64 535 vs 531: within the run's noise.
 // static: every fp8 instantiation TU (one per head-dim bucket) includes this header and launches
 // its own copy; with external linkage the library's link failed on duplicate definitions.
 static __global__ void __launch_bounds__(kVtThreads)
     fp8_transpose_v_kernel(const uint8_t* __restrict__ v, const float* __restrict__ k_scale,
                            uint8_t* __restrict__ vt, float* __restrict__ k_col, int s_k, int h_k,
                            int d, int s_pad, int block_size, int num_k_blocks) {
-  __shared__ __align__(16) uint8_t tile[kVtTileKeys][kVtTileDims + 16];
+  constexpr int kChunksPerKey = kVtTileDims / 16;
+  __shared__ __align__(16) uint32_t tile[kVtTileKeys][kVtTileDims / 4];
   const int bh = blockIdx.z;  // batch * h_k + kv head
   const int b = bh / h_k, hk = bh % h_k;
   const int key0 = blockIdx.x * kVtTileKeys;
   const int d0 = blockIdx.y * kVtTileDims;
   const int t = threadIdx.x;
 
-  // Load 64 keys x 64 dims, 16 bytes per thread (zeros outside [0, s_k) x [0, d)).
-  {
-    const int key = key0 + t / 4;
-    const int dd = 16 * (t % 4);
+  // Zeros outside [0, s_k) x [0, d).
+  const int chunk = t % kChunksPerKey;
+#pragma unroll
+  for (int r = 0; r < kVtTileKeys * kChunksPerKey / kVtThreads; ++r) {
+    const int key = t / kChunksPerKey + r * (kVtThreads / kChunksPerKey);
+    const int dd = 16 * chunk;
     uint4 val = make_uint4(0, 0, 0, 0);
-    if (key < s_k && d0 + dd < d) {
-      const int64_t off = ((int64_t(b) * s_k + key) * h_k + hk) * d + d0 + dd;
+    if (key0 + key < s_k && d0 + dd < d) {
+      const int64_t off = ((int64_t(b) * s_k + key0 + key) * h_k + hk) * d + d0 + dd;
       val = *reinterpret_cast<const uint4*>(v + off);
     }
-    *reinterpret_cast<uint4*>(&tile[t / 4][dd]) = val;
+    *reinterpret_cast<uint4*>(&tile[key][4 * chunk]) = val;
   }
   __syncthreads();
-  // Store 64 dims x 64 key slots, 16 slots per thread: slot c holds key 32*(c/32) + key_of_slot.
-  {
-    const int dd = t / 4;
-    const int c0 = 16 * (t % 4);
-    if (d0 + dd < d && key0 + c0 < s_pad) {
-      uint32_t w[4];
+
+  // Slot c of group g holds key 32 g + fp8_key_of_slot(c); word w of a dim's row holds slots
+  // 4w..4w+3 (byte e = slot 4w + e).
+  const int group = t / 32;
+  const int quad = t % 32;  // dims d0 + 4 quad .. + 3
+  const int dim = d0 + 4 * quad;
+  if (dim < d && key0 + 32 * group < s_pad) {
+    uint32_t rows[4][8];  // [dim within the quad][word]
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        uint32_t word = 0;
+    for (int w = 0; w < 8; ++w) {
+      const uint32_t k0 = tile[32 * group + fp8::fp8_key_of_slot(4 * w + 0)][quad];
+      const uint32_t k1 = tile[32 * group + fp8::fp8_key_of_slot(4 * w + 1)][quad];
+      const uint32_t k2 = tile[32 * group + fp8::fp8_key_of_slot(4 * w + 2)][quad];
+      const uint32_t k3 = tile[32 * group + fp8::fp8_key_of_slot(4 * w + 3)][quad];
+      const uint32_t lo01 = __byte_perm(k0, k1, 0x5140);  // k0.b0 k1.b0 k0.b1 k1.b1
+      const uint32_t lo23 = __byte_perm(k2, k3, 0x5140);
+      const uint32_t hi01 = __byte_perm(k0, k1, 0x7362);  // k0.b2 k1.b2 k0.b3 k1.b3
+      const uint32_t hi23 = __byte_perm(k2, k3, 0x7362);
+      rows[0][w] = __byte_perm(lo01, lo23, 0x5410);  // byte 0 of k0..k3
+      rows[1][w] = __byte_perm(lo01, lo23, 0x7632);
+      rows[2][w] = __byte_perm(hi01, hi23, 0x5410);
+      rows[3][w] = __byte_perm(hi01, hi23, 0x7632);
+    }
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int c = c0 + 4 * i + e;
-          const int key = 32 * (c / 32) + fp8::fp8_key_of_slot(c % 32);
-          word |= uint32_t(tile[key][dd]) << (8 * e);
-        }
-        w[i] = word;
-      }
-      const int64_t off = (int64_t(bh) * d + d0 + dd) * s_pad + key0 + c0;
-      *reinterpret_cast<uint4*>(vt + off) = make_uint4(w[0], w[1], w[2], w[3]);
+    for (int j = 0; j < 4; ++j) {
+      auto* dst = reinterpret_cast<uint4*>(vt + (int64_t(bh) * d + dim + j) * s_pad + key0 +
+                                           32 * group);
+      dst[0] = make_uint4(rows[j][0], rows[j][1], rows[j][2], rows[j][3]);
+      dst[1] = make_uint4(rows[j][4], rows[j][5], rows[j][6], rows[j][7]);
     }
   }
   if (blockIdx.y == 0 && t < kVtTileKeys) {
