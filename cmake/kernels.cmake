@@ -8,12 +8,13 @@ file(GLOB _common_sources CONFIGURE_DEPENDS
      "${PROJECT_SOURCE_DIR}/cuda/ffi/*.cu")
 list(APPEND _sources ${_common_sources})
 
-# One translation unit per (kernel, head-dim bucket, dtype): named <kernel>_hdim<D>_<dtype>.cu.
+# One translation unit per (kernel, head-dim bucket, dtype[, variant]): named
+# <kernel>_hdim<D>_<dtype>[_<variant>].cu (e.g. the fp8 d128 kernel with 192-row tiles).
 file(GLOB _inst_sources CONFIGURE_DEPENDS "${PROJECT_SOURCE_DIR}/cuda/instantiations/*.cu")
 set(_defs)
 foreach(_src IN LISTS _inst_sources)
   get_filename_component(_name "${_src}" NAME_WE)
-  if(_name MATCHES "_hdim([0-9]+)_(bf16|fp16|e4m3)$")
+  if(_name MATCHES "_hdim([0-9]+)_(bf16|fp16|e4m3)(_[a-z0-9]+)?$")
     set(_hd "${CMAKE_MATCH_1}")
     set(_dt "${CMAKE_MATCH_2}")
     list(FIND JAX_FA3_HEAD_DIMS "${_hd}" _hd_ok)

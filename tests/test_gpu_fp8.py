@@ -131,6 +131,15 @@ def test_fp8_seqlens(s_q, s_k, causal):
   _check(s_q * 7 + s_k, 2, s_q, s_k, 4, 2, 128, causal=causal)
 
 
+# d128 has two kernels (flash_fwd_fp8.h, fp8_block_m): 192-row tiles without a mask and for
+# causal calls from 8192 query rows, 128-row tiles otherwise; the cases above run short causal
+# calls on the 128-row one, these the 192-row one with its causal mask (ragged and bottom-right
+# aligned in the second).
+@pytest.mark.parametrize("s_q,s_k", [(8192, 8192), (8200, 9001)])
+def test_fp8_long_causal(s_q, s_k):
+  _check(s_q + s_k, 1, s_q, s_k, 2, 1, 128, causal=True)
+
+
 @pytest.mark.parametrize("d", [64, 128, 256, 32, 80, 192])
 @pytest.mark.parametrize("causal", [False, True])
 def test_fp8_head_dims(d, causal):

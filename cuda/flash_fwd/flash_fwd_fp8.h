@@ -65,27 +65,51 @@ inline int fp8_head_dim_bucket(int d) {
   return 0;
 }
 
-// One specialization per cuda/instantiations/flash_fwd_hdim<D>_e4m3.cu. The extern declarations
+// Rows per tile (kBlockM) of each bucket's fp8 kernels (fp8_traits.h says why): 192 = three
+// consumer warpgroups with the PV GEMM pipelined under the exp2 pass, 128 = two. d128 has both
+// and picks per call (fp8_block_m).
+constexpr int fp8_default_block_m(int bucket) { return bucket == 256 ? 128 : 192; }
+
+// d128 causal: 192-row tiles only from this many query rows. Kernel alone, causal, 192 vs 128
+// rows (H200, 2026-12-01, eleventh session, benchmarks/RESULTS.md): 2k 437-448 vs 466-475, 4k
+// 595 vs 620, 8k 717-735 vs 696-709, 16k 807 vs 781. In short causal calls the diagonal blocks
+// (masked, partly wasted) are a larger share of the work, and more so with taller tiles.
+constexpr int kFp8D128TallCausalMinSeqlen = 8192;
+
+// The kBlockM of the fp8 kernel that runs p in `bucket`. d128: 192 rows without a mask (+2% at
+// 2k, +3-4% at 8k) and for long causal calls; 128 rows (intra-warpgroup overlap) for short causal
+// and for sliding-window calls (not measured with 192 rows: kept on the kernel they had).
+inline int fp8_block_m(int bucket, const FlashFwdFp8Params& p) {
+  if (bucket != 128) return fp8_default_block_m(bucket);
+  const bool unmasked = p.window_left < 0 && p.window_right < 0;
+  const bool causal = p.window_left < 0 && p.window_right == 0;
+  return unmasked || (causal && p.s_q >= kFp8D128TallCausalMinSeqlen) ? 192 : 128;
+}
+
+// One specialization per cuda/instantiations/flash_fwd_hdim<D>_e4m3*.cu. The extern declarations
 // keep every other translation unit that sees the template's definition (fp8_launch.h) from
 // instantiating all buckets through launch_flash_fwd_fp8 below: each instantiation file then
 // compiles its own kernel only.
-template <int kHeadDim>
+template <int kHeadDim, int kBlockM>
 cudaError_t run_flash_fwd_fp8(const FlashFwdFp8Params& params, cudaStream_t stream);
-extern template cudaError_t run_flash_fwd_fp8<64>(const FlashFwdFp8Params&, cudaStream_t);
-extern template cudaError_t run_flash_fwd_fp8<128>(const FlashFwdFp8Params&, cudaStream_t);
-extern template cudaError_t run_flash_fwd_fp8<256>(const FlashFwdFp8Params&, cudaStream_t);
+extern template cudaError_t run_flash_fwd_fp8<64, 192>(const FlashFwdFp8Params&, cudaStream_t);
+extern template cudaError_t run_flash_fwd_fp8<128, 128>(const FlashFwdFp8Params&, cudaStream_t);
+extern template cudaError_t run_flash_fwd_fp8<128, 192>(const FlashFwdFp8Params&, cudaStream_t);
+extern template cudaError_t run_flash_fwd_fp8<256, 128>(const FlashFwdFp8Params&, cudaStream_t);
 
 // cudaErrorNotSupported when no fp8 kernel runs p.d (callers check fp8_head_dim_bucket first).
 inline cudaError_t launch_flash_fwd_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   switch (fp8_head_dim_bucket(p.d)) {
 #ifdef JAX_FA3_HAS_HDIM64
-    case 64: return run_flash_fwd_fp8<64>(p, stream);
+    case 64: return run_flash_fwd_fp8<64, 192>(p, stream);
 #endif
 #ifdef JAX_FA3_HAS_HDIM128
-    case 128: return run_flash_fwd_fp8<128>(p, stream);
+    case 128:
+      return fp8_block_m(128, p) == 192 ? run_flash_fwd_fp8<128, 192>(p, stream)
+                                        : run_flash_fwd_fp8<128, 128>(p, stream);
 #endif
 #ifdef JAX_FA3_HAS_HDIM256
-    case 256: return run_flash_fwd_fp8<256>(p, stream);
+    case 256: return run_flash_fwd_fp8<256, 128>(p, stream);
 #endif
     default: return cudaErrorNotSupported;
   }

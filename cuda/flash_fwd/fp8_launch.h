@@ -1,5 +1,5 @@
 // Host side of one fp8 instantiation: the V transpose pre-pass, TMA descriptors, launch.
-// Included only by cuda/instantiations/flash_fwd_hdim<D>_e4m3.cu.
+// Included only by cuda/instantiations/flash_fwd_hdim<D>_e4m3*.cu (and the timing tool).
 #pragma once
 #include "flash_fwd/cute_config.h"
 #include <algorithm>
@@ -125,9 +125,9 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
 }  // namespace jax_fa3::fwd
 
 namespace jax_fa3 {
-// Explicitly instantiated once per cuda/instantiations/flash_fwd_hdim<D>_e4m3.cu.
-template <int kHeadDim>
+// Explicitly instantiated once per cuda/instantiations/flash_fwd_hdim<D>_e4m3*.cu.
+template <int kHeadDim, int kBlockM>
 cudaError_t run_flash_fwd_fp8(const FlashFwdFp8Params& params, cudaStream_t stream) {
-  return fwd::launch_fp8<fwd::Fp8KernelTraits<kHeadDim>>(params, stream);
+  return fwd::launch_fp8<fwd::Fp8KernelTraits<kHeadDim, kBlockM>>(params, stream);
 }
 }  // namespace jax_fa3

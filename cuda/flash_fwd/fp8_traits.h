@@ -15,6 +15,7 @@
 #include <cute/atom/mma_atom.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "flash_fwd/flash_fwd_fp8.h"
 #include "flash_fwd/kernel_traits.h"
 
 namespace jax_fa3::fwd {
@@ -26,6 +27,7 @@ using namespace cute;
 // kBlockM*d*2):
 //   d64 : 192x128  S 64 + P 16 + O  32 (plain)    12K + 2*2*8K  + 24K =  68 KB
 //   d128: 128x128  S 64 + P 16 + O  64 (overlap)  16K + 2*2*16K + 32K = 112 KB
+//         192x128  S 64 + P 16 + O  64 (plain)    24K + 2*2*16K + 48K = 136 KB
 //   d256: 128x128  S 64 + P 16 + O 128 (plain)    32K + 2*2*32K + 64K = 224 KB
 // Measured on the H200 (2026-11-30, 8k non-causal, benchmarks/RESULTS.md): d256 128x128 947-958
 // TFLOP/s vs 128x96 866-876 (128x128 only fits since the k scales are per 32-key group: ptxas
@@ -49,26 +51,26 @@ constexpr auto smem_atom_k_major_bytes() {
   }
 }
 
-// kBlockM per head dim: 128 (two consumer warpgroups) or 192 (three; 160 registers per consumer
-// thread, so no intra-warpgroup overlap). Measured on the H200 (2026-12-01, 8k non-causal, kernel
-// alone, cuda/flash_fwd/tools/fwd_timeline.cu): d64 192x128 444 TFLOP/s vs 128x128 380; d128
-// 192x128 734 (ptxas spills ~70 bytes in the main loop at 160 registers) vs 128x128 795.
-// Tenth session, d128 192x128 in the plain order with the pipelined PV (kPipelinedPv, 12 bytes
-// spilled): 816-834 vs 799-803 non-causal 8k, causal 718-725 vs 701-711, but in the library the
-// causal 2k case lost (430 vs 458, other run): not taken; 192x96 767, 192x128 with every 8th
-// exp2 on the FMA pipe 790-792. Plain order pipelined at 128 rows: 128x224 791 (240 registers),
-// 128x192 755.
-template <int kHeadDim> struct BlockMFp8 { static constexpr int value = 128; };
-template <> struct BlockMFp8<64> { static constexpr int value = 192; };
-
-template <int kHeadDim_>
+// kBlockM: 128 (two consumer warpgroups, 240 registers each) or 192 (three, 160 registers, so
+// no intra-warpgroup overlap); the default per bucket and d128's choice per call are in
+// flash_fwd_fp8.h (fp8_default_block_m, fp8_block_m). Measured on the H200 (kernel alone,
+// cuda/flash_fwd/tools/fwd_timeline.cu, benchmarks/RESULTS.md): d64 192x128 444 TFLOP/s vs
+// 128x128 380 at 8k (fifth session). d128 192x128 in the plain order with the pipelined PV
+// (kPipelinedPv, 12 bytes spilled) vs 128x128 with the overlap (eleventh session, two runs):
+// 814-830 vs 789-802 non-causal 8k, 717-735 vs 696-709 causal 8k, but 437-448 vs 466-475 causal
+// 2k, hence both d128 kernels. Not taken at d128: 192x96 767, 192x128 with every 8th exp2 on the
+// FMA pipe 790-792, 192x128 with 3 K/V stages 816 (no gain); in the plain order pipelined at 128
+// rows: 128x224 791 (240 registers), 128x192 755, 128x128 / 128x192 / 128x224 with the next S
+// GEMM issued right after the PV k-steps 742 / 773-778 / 747 (eleventh session).
+template <int kHeadDim_, int kBlockM_ = fp8_default_block_m(kHeadDim_)>
 struct Fp8KernelTraits {
   using Element = cutlass::float_e4m3_t;
   using ElementOut = cutlass::bfloat16_t;
   using ElementAccum = float;
   static constexpr bool kFp8 = true;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = BlockMFp8<kHeadDim>::value;
+  static constexpr int kBlockM = kBlockM_;
+  static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroups");
   static constexpr int kBlockN = BlockNFp8<kHeadDim>::value;
   static constexpr int kStages = 2;
   static constexpr int kNumConsumerWarpGroups = kBlockM / 64;
@@ -87,7 +89,7 @@ struct Fp8KernelTraits {
   // 706-710 vs 804-810; d256 period 4 941-946 vs 967-973: the d128 and d256 loops are not
   // MUFU-bound (session 5 found the same at d128).
   static constexpr int kExp2FmaPeriod = kHeadDim == 64 ? 4 : 0;
-  // In the plain order (no intra-warpgroup overlap: d64's three warpgroups, d256), P's k-steps go
+  // In the plain order (no intra-warpgroup overlap: three warpgroups, d256), P's k-steps go
   // to the PV GEMM one by one as their exponentials are done (consumer.h), and the warpgroups
   // take no ping-pong turns. Kernel alone, 8k, same runs (H200, 2026-12-01, benchmarks/RESULTS.md):
   // d256 1028-1031 TFLOP/s vs 954 (causal 920-927 vs 870), d64 531 vs 482 (causal 465 vs 434).

@@ -23,9 +23,9 @@ using namespace cute;
 using jax_fa3::fp8::fp8_key_of_slot;
 using jax_fa3::fp8::fp8_p_source;
 
-template <int kHeadDim>
+template <int kHeadDim, int kRows = jax_fa3::fp8_default_block_m(kHeadDim)>
 int check_bucket() {
-  using Traits = jax_fa3::fwd::Fp8KernelTraits<kHeadDim>;
+  using Traits = jax_fa3::fwd::Fp8KernelTraits<kHeadDim, kRows>;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   int errors = 0;
   auto fail = [&](const char* what, int t, int i) {
@@ -109,6 +109,7 @@ int main() {
   int errors = 0;
   errors += check_bucket<64>();
   errors += check_bucket<128>();
+  errors += check_bucket<128, 128>();  // d128's second kernel (flash_fwd_fp8.h, fp8_block_m)
   errors += check_bucket<256>();
   return errors ? 1 : 0;
 }

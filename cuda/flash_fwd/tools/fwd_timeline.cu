@@ -22,13 +22,18 @@
 #ifndef TOOL_HDIM
 #define TOOL_HDIM 128
 #endif
+// fp8: rows per tile; the library picks d128's per call (flash_fwd_fp8.h, fp8_block_m), the tool
+// times the one it was built with and says when the library would pick the other.
+#ifndef TOOL_BLOCK_M
+#define TOOL_BLOCK_M jax_fa3::fp8_default_block_m(TOOL_HDIM)
+#endif
 // flash_fwd_fp8.h / flash_fwd.h declare the instantiations extern; this tool compiles its own.
 #ifdef TOOL_BF16
 template cudaError_t jax_fa3::run_flash_fwd<TOOL_HDIM, jax_fa3::DType::kBFloat16>(
     const jax_fa3::FlashFwdParams&, cudaStream_t);
 #else
-template cudaError_t jax_fa3::run_flash_fwd_fp8<TOOL_HDIM>(const jax_fa3::FlashFwdFp8Params&,
-                                                            cudaStream_t);
+template cudaError_t jax_fa3::run_flash_fwd_fp8<TOOL_HDIM, TOOL_BLOCK_M>(
+    const jax_fa3::FlashFwdFp8Params&, cudaStream_t);
 #endif
 
 #define CHECK(call)                                                                     \
@@ -89,7 +94,9 @@ int main(int argc, char** argv) {
     return jax_fa3::run_flash_fwd<TOOL_HDIM, jax_fa3::DType::kBFloat16>(p, nullptr);
   };
 #else
-  const char* dtype_label = "fp8 (V pre-pass included)";
+  char dtype_label[64];
+  std::snprintf(dtype_label, sizeof(dtype_label), "fp8 %d-row tiles (V pre-pass included)",
+                int(TOOL_BLOCK_M));
   const int block_size = 64, nb = (s + block_size - 1) / block_size;
   std::uniform_real_distribution<float> uni(0.5f / 64, 1.5f / 64);
   std::vector<float> qs(size_t(b) * h * nb), ks(size_t(b) * h * nb), vs(size_t(b) * h);
@@ -109,7 +116,11 @@ int main(int argc, char** argv) {
   p.window_left = -1;
   p.window_right = causal ? 0 : -1;
 
-  auto launch = [&] { return jax_fa3::run_flash_fwd_fp8<TOOL_HDIM>(p, nullptr); };
+  if (jax_fa3::fp8_block_m(TOOL_HDIM, p) != TOOL_BLOCK_M) {
+    std::printf("note: %d-row tiles; the library runs this call with %d-row tiles\n", TOOL_BLOCK_M,
+                jax_fa3::fp8_block_m(TOOL_HDIM, p));
+  }
+  auto launch = [&] { return jax_fa3::run_flash_fwd_fp8<TOOL_HDIM, TOOL_BLOCK_M>(p, nullptr); };
 #endif
   const auto hq = random_input(size_t(b) * s * h * d, rng);
   const auto hk = random_input(size_t(b) * s * h * d, rng);
