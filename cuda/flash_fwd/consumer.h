@@ -213,7 +213,11 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
 
     Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     clear(tOrO);
-    std::conditional_t<kFp8, Fp8OnlineSoftmax<kKeyGroups>, OnlineSoftmax> softmax;
+    constexpr bool kTreeRowSums = [] {
+      if constexpr (kFp8) return Traits::kTreeRowSums;
+      else return false;
+    }();
+    std::conditional_t<kFp8, Fp8OnlineSoftmax<kKeyGroups, kTreeRowSums>, OnlineSoftmax> softmax;
     softmax.reset();
     float correction[2];
     // O *= correction; Traits::kSkipUnchangedRescale: only where a row of the warp changed its max.

@@ -40,8 +40,8 @@ __device__ __forceinline__ void descale_columns(Frag& s, const float* __restrict
 }
 
 // kGroups k-scale groups of 32 keys per tile (flat S indices 16g..16g+15 are group g: 8-column
-// chunks 4g..4g+3).
-template <int kGroups>
+// chunks 4g..4g+3). kTreeRowSums: see exponentiate().
+template <int kGroups, bool kTreeRowSums>
 struct Fp8OnlineSoftmax {
   // Running max of the scaled scores (log2 domain: score * softmax_scale * log2 e * q_scale *
   // k_scale), quad-uniform, and this thread's partial sum of 2^8 * P (exact power-of-two shift of
@@ -91,15 +91,40 @@ struct Fp8OnlineSoftmax {
   // Second half: s -> 2^8 * exp2(s * coef - shift) in place, accumulated into the row sums.
   // kExp2FmaPeriod: which exponentials run on the FMA pipe (exp2_fma.h).
   // [kBegin, kEnd): the flat elements to do.
+  // kTreeRowSums: each k32 step's 8 values per row are summed as a tree and then added to the row
+  // sum, so the dependent FADD chain per step is 4 deep instead of 8 (ncu: fixed-latency waits are
+  // the top stall of the d128 kernels). Kernel alone (H200, eleventh session): d128 192 rows 833 /
+  // 836 vs 826 / 821 TFLOP/s (causal 8k 740 vs 729), and ptxas no longer spills there; but d128
+  // 128 rows 798 / 792 vs 798 / 796 (causal 2k 456 vs 474), d256 1015 / 1019 vs 1028 / 1022, d64
+  // 526 / 523 vs 533 / 531.
   template <int kExp2FmaPeriod, int kBegin, int kEnd, typename Frag>
   __device__ __forceinline__ void exponentiate(Frag& s, const float (&coef)[2][kGroups],
                                                const float (&shift)[2]) {
+    if constexpr (kTreeRowSums) {
+      static_assert(kBegin % 16 == 0 && kEnd % 16 == 0, "whole k32 steps");
 #pragma unroll
-    for (int i = kBegin; i < kEnd; ++i) {
-      const float p =
-          softmax_exp2<kExp2FmaPeriod>(s(i) * coef[frag_row(i)][i / 16] - shift[frag_row(i)], i);
-      s(i) = p;
-      row_sum[frag_row(i)] += p;
+      for (int base = kBegin; base < kEnd; base += 16) {
+#pragma unroll
+        for (int i = base; i < base + 16; ++i) {
+          s(i) = softmax_exp2<kExp2FmaPeriod>(
+              s(i) * coef[frag_row(i)][i / 16] - shift[frag_row(i)], i);
+        }
+        // Row r's values of the step: flat base + 2r + {0, 1, 4, 5, 8, 9, 12, 13} (frag_row).
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int b = base + 2 * r;
+          row_sum[r] += ((s(b) + s(b + 1)) + (s(b + 4) + s(b + 5))) +
+                        ((s(b + 8) + s(b + 9)) + (s(b + 12) + s(b + 13)));
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = kBegin; i < kEnd; ++i) {
+        const float p =
+            softmax_exp2<kExp2FmaPeriod>(s(i) * coef[frag_row(i)][i / 16] - shift[frag_row(i)], i);
+        s(i) = p;
+        row_sum[frag_row(i)] += p;
+      }
     }
   }
 

@@ -56,7 +56,8 @@ constexpr auto smem_atom_k_major_bytes() {
 // flash_fwd_fp8.h (fp8_default_block_m, fp8_block_m). Measured on the H200 (kernel alone,
 // cuda/flash_fwd/tools/fwd_timeline.cu, benchmarks/RESULTS.md): d64 192x128 444 TFLOP/s vs
 // 128x128 380 at 8k (fifth session). d128 192x128 in the plain order with the pipelined PV
-// (kPipelinedPv, 12 bytes spilled) vs 128x128 with the overlap (eleventh session, two runs):
+// (kPipelinedPv; 12 bytes spilled before kTreeRowSums) vs 128x128 with the overlap (eleventh
+// session, two runs):
 // 814-830 vs 789-802 non-causal 8k, 717-735 vs 696-709 causal 8k, but 437-448 vs 466-475 causal
 // 2k, hence both d128 kernels. Not taken at d128: 192x96 767, 192x128 with every 8th exp2 on the
 // FMA pipe 790-792, 192x128 with 3 K/V stages 816 (no gain); in the plain order pipelined at 128
@@ -89,6 +90,9 @@ struct Fp8KernelTraits {
   // 706-710 vs 804-810; d256 period 4 941-946 vs 967-973: the d128 and d256 loops are not
   // MUFU-bound (session 5 found the same at d128).
   static constexpr int kExp2FmaPeriod = kHeadDim == 64 ? 4 : 0;
+  // Row sums summed per k32 step as a tree (fp8_softmax.h, measured there): only d128's 192-row
+  // kernel gains (+1-1.5%).
+  static constexpr bool kTreeRowSums = kHeadDim == 128 && kNumConsumerWarpGroups == 3;
   // In the plain order (no intra-warpgroup overlap: three warpgroups, d256), P's k-steps go
   // to the PV GEMM one by one as their exponentials are done (consumer.h), and the warpgroups
   // take no ping-pong turns. Kernel alone, 8k, same runs (H200, 2026-12-01, benchmarks/RESULTS.md):
