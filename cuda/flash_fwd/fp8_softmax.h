@@ -100,15 +100,17 @@ struct Fp8OnlineSoftmax {
   template <int kExp2FmaPeriod, int kBegin, int kEnd, typename Frag>
   __device__ __forceinline__ void exponentiate(Frag& s, const float (&coef)[2][kGroups],
                                                const float (&shift)[2]) {
-    if constexpr (kTreeRowSums) {
-      static_assert(kBegin % 16 == 0 && kEnd % 16 == 0, "whole k32 steps");
+    static_assert(kBegin % 16 == 0 && kEnd % 16 == 0, "whole k32 steps");
 #pragma unroll
-      for (int base = kBegin; base < kEnd; base += 16) {
+    for (int base = kBegin; base < kEnd; base += 16) {
 #pragma unroll
-        for (int i = base; i < base + 16; ++i) {
-          s(i) = softmax_exp2<kExp2FmaPeriod>(
-              s(i) * coef[frag_row(i)][i / 16] - shift[frag_row(i)], i);
-        }
+      for (int i = base; i < base + 16; ++i) {
+        const float p = softmax_exp2<kExp2FmaPeriod>(
+            s(i) * coef[frag_row(i)][i / 16] - shift[frag_row(i)], i);
+        s(i) = p;
+        if constexpr (!kTreeRowSums) row_sum[frag_row(i)] += p;
+      }
+      if constexpr (kTreeRowSums) {
         // Row r's values of the step: flat base + 2r + {0, 1, 4, 5, 8, 9, 12, 13} (frag_row).
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -116,14 +118,6 @@ struct Fp8OnlineSoftmax {
           row_sum[r] += ((s(b) + s(b + 1)) + (s(b + 4) + s(b + 5))) +
                         ((s(b + 8) + s(b + 9)) + (s(b + 12) + s(b + 13)));
         }
-      }
-    } else {
-#pragma unroll
-      for (int i = kBegin; i < kEnd; ++i) {
-        const float p =
-            softmax_exp2<kExp2FmaPeriod>(s(i) * coef[frag_row(i)][i / 16] - shift[frag_row(i)], i);
-        s(i) = p;
-        row_sum[frag_row(i)] += p;
       }
     }
   }

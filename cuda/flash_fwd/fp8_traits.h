@@ -57,9 +57,8 @@ constexpr auto smem_atom_k_major_bytes() {
 // cuda/flash_fwd/tools/fwd_timeline.cu, benchmarks/RESULTS.md): d64 192x128 444 TFLOP/s vs
 // 128x128 380 at 8k (fifth session). d128 192x128 in the plain order with the pipelined PV
 // (kPipelinedPv; 12 bytes spilled before kTreeRowSums) vs 128x128 with the overlap (eleventh
-// session, two runs):
-// 814-830 vs 789-802 non-causal 8k, 717-735 vs 696-709 causal 8k, but 437-448 vs 466-475 causal
-// 2k, hence both d128 kernels. Not taken at d128: 192x96 767, 192x128 with every 8th exp2 on the
+// session, two runs): 814-830 vs 789-802 non-causal 8k, 717-735 vs 696-709 causal 8k, but
+// 437-448 vs 466-475 causal 2k, hence both d128 kernels. Not taken at d128: 192x96 767, 192x128 with every 8th exp2 on the
 // FMA pipe 790-792, 192x128 with 3 K/V stages 816 (no gain); in the plain order pipelined at 128
 // rows: 128x224 791 (240 registers), 128x192 755, 128x128 / 128x192 / 128x224 with the next S
 // GEMM issued right after the PV k-steps 742 / 773-778 / 747 (eleventh session).
