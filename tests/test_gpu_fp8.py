@@ -166,10 +166,13 @@ def test_fp8_block_sizes(block_size, causal):
   _check(block_size, 2, 1000, 777, 4, 4, 128, causal=causal, block_size=block_size)
 
 
-@pytest.mark.parametrize("b,h", [(1, 1), (48, 16)])
-def test_fp8_grid_sizes(b, h):
-  # One tile (most SMs idle) and far more tiles than SMs (persistent scheduling wraps around).
-  _check(b + h, b, 256 if b > 1 else 2048, 256 if b > 1 else 2048, h, h, 128, causal=b > 1)
+@pytest.mark.parametrize("b,h,s,causal", [(1, 1, 2048, False), (48, 16, 256, True),
+                                          (24, 16, 300, False)])
+def test_fp8_grid_sizes(b, h, s, causal):
+  # One tile (most SMs idle) and far more tiles than SMs (persistent scheduling wraps around):
+  # causal on d128's 128-row kernel, non-causal on its 192-row one, which at s_k <= 4096 also
+  # releases Q's buffer early (flash_fwd_fp8.h, fp8_early_q_release).
+  _check(b + h + s, b, s, s, h, h, 128, causal=causal)
 
 
 def test_fp8_scales_are_applied_per_row_and_column():

@@ -143,14 +143,13 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   const Turns pingpong{thread_idx / 128};
   pingpong.start();
 
-  // Traits::kEarlyQRelease: Q's buffer is dead for a warp once its wait for the S GEMM of the
-  // tile's last K/V block (n_min) returned; one arrive per consumer warp (as for the K/V stages)
-  // lets the producer load the next tile's Q under this tile's last softmax, PV GEMM and epilogue.
-  // Otherwise the epilogue releases Q's buffer after the TMA store of O.
+  // p.early_q_release() (kernel_params.h): Q's buffer is dead for a warp once its wait for the S
+  // GEMM of the tile's last K/V block (n_min) returned; one arrive per consumer warp (as for the
+  // K/V stages) lets the producer load the next tile's Q under this tile's last softmax, PV GEMM
+  // and epilogue. Otherwise the epilogue releases Q's buffer after the TMA store of O.
+  const bool early_q_release = p.early_q_release();
   auto release_q_after_last_s = [&](int n_block, const BlockRange& range) {
-    if constexpr (Traits::kEarlyQRelease) {
-      if (n_block == range.n_min) release_stage(&ss.q_empty);
-    }
+    if (early_q_release && n_block == range.n_min) release_stage(&ss.q_empty);
   };
 
   PipelineState<Traits::kStages> kv;
@@ -398,9 +397,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   }
   pingpong.finish();
   // The last tile's TMA store of O must have read shared memory before the CTA exits.
-  if constexpr (Traits::kEarlyQRelease) {
-    if (thread_idx == 0) tma_store_wait<0>();
-  }
+  if (early_q_release && thread_idx == 0) tma_store_wait<0>();
 }
 
 }  // namespace jax_fa3::fwd

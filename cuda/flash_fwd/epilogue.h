@@ -31,14 +31,15 @@ __device__ __forceinline__ void store_tile(KernelParams<Traits> const& p,
 #pragma unroll
   for (int i = 0; i < size(tOrO); ++i) tOrO_out(i) = static_cast<Element>(tOrO(i));
 
-  // Traits::kEarlyQRelease: O's own buffer may still be read by the previous tile's TMA store,
+  // p.early_q_release(): O's own buffer may still be read by the previous tile's TMA store,
   // which thread 0 issued without waiting: it waits now (long done after a whole tile), and the
   // barrier holds every consumer thread until then.
   // Else the O buffer (Q's for bf16/fp16, its own for fp8) is free for this warpgroup's rows: its
   // last S = QK^T wgmma has completed, and the other warpgroup only reads (and writes) its own 64
   // rows; the buffer is released to the producer (q_empty) only after thread 0's tma_store_wait
   // below.
-  if constexpr (Traits::kEarlyQRelease) {
+  const bool early_q_release = p.early_q_release();
+  if (early_q_release) {
     if (thread_idx == 0) tma_store_wait<0>();
     named_barrier_sync(kBarrierConsumers, Traits::kNumConsumerThreads);
   }
@@ -59,7 +60,7 @@ __device__ __forceinline__ void store_tile(KernelParams<Traits> const& p,
                                       group_modes<0, 2>(gO));
     copy(p.tma_o, tOsO, tOgO);
     tma_store_arrive();
-    if constexpr (!Traits::kEarlyQRelease) {
+    if (!early_q_release) {
       // Only the shared-memory reads must be done before Q's buffer is refilled; the global
       // writes complete on their own before the kernel does.
       tma_store_wait<0>();

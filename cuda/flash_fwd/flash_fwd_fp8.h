@@ -86,6 +86,23 @@ inline int fp8_block_m(int bucket, const FlashFwdFp8Params& p) {
   return unmasked || (causal && p.s_q >= kFp8D128TallCausalMinSeqlen) ? 192 : 128;
 }
 
+// Whether the kernel releases Q's buffer after each tile's last S GEMM, so that the next tile's Q
+// loads under this tile's last softmax, PV GEMM and epilogue, instead of after the TMA store of O.
+// Kernel alone, d128 192-row tiles, non-causal, b*s = 16k, h = 16, same run (H200, twelfth
+// session, benchmarks/RESULTS.md): 2k 713-714 vs 689-690 TFLOP/s, 4k 791-799 vs 786-787, but 8k
+// 840 vs 846-847 and causal 8k 746-750 vs 747. Earlier, on d128 / d64 with 128-row tiles and
+// ping-pong turns (eighth session): 8k 771 vs 803, causal 2k 463 vs 466; those keep it off.
+// Only the kernels that may do so read the per-call flag: in the others a run-time check alone
+// changed ptxas's schedule (fp8 d64 470 vs 530 TFLOP/s kernel alone at 8k, same run, twelfth
+// session).
+constexpr int kFp8EarlyQReleaseMaxSeqlenK = 4096;
+constexpr bool fp8_may_release_q_early(int bucket, int block_m) {
+  return bucket == 128 && block_m == 192;
+}
+inline bool fp8_early_q_release(int bucket, int block_m, const FlashFwdFp8Params& p) {
+  return fp8_may_release_q_early(bucket, block_m) && p.s_k <= kFp8EarlyQReleaseMaxSeqlenK;
+}
+
 // One specialization per cuda/instantiations/flash_fwd_hdim<D>_e4m3*.cu. The extern declarations
 // keep every other translation unit that sees the template's definition (fp8_launch.h) from
 // instantiating all buckets through launch_flash_fwd_fp8 below: each instantiation file then

@@ -47,13 +47,20 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   const int s_pad = static_cast<int>(flash_fwd_fp8_key_pad(p.s_k));
   auto* vt = static_cast<uint8_t*>(p.workspace);
   auto* k_col = reinterpret_cast<float*>(vt + int64_t(p.b) * p.h_k * p.d * s_pad);
+  int device = 0;
+  int num_sms = 0;
+  JAX_FA3_RETURN_IF_CUDA_ERROR(cudaGetDevice(&device));
+  JAX_FA3_RETURN_IF_CUDA_ERROR(
+      cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
   if (!no_keys) {
-    const dim3 grid((s_pad + kVtTileKeys - 1) / kVtTileKeys, (p.d + kVtTileDims - 1) / kVtTileDims,
-                    p.b * p.h_k);
+    const int num_key_tiles = (s_pad + kVtTileKeys - 1) / kVtTileKeys;
+    const int num_dim_tiles = (p.d + kVtTileDims - 1) / kVtTileDims;
+    const int num_tiles = num_key_tiles * num_dim_tiles * p.b * p.h_k;
+    const int grid = std::min(num_tiles, kVtCtasPerSm * num_sms);
     const int num_k_blocks = (p.s_k + p.block_size - 1) / p.block_size;
     fp8_transpose_v_kernel<<<grid, kVtThreads, 0, stream>>>(
         static_cast<const uint8_t*>(p.v), p.k_scale, vt, k_col, p.s_k, p.h_k, p.d, s_pad,
-        p.block_size, num_k_blocks);
+        p.block_size, num_k_blocks, num_key_tiles, num_dim_tiles, num_tiles);
     JAX_FA3_RETURN_IF_LAUNCH_ERROR();
   }
 
@@ -90,6 +97,7 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   extra.block_size = p.block_size;
   extra.s_pad = s_pad;
   extra.k_scale_grouped = p.block_size % kFp8KeyScaleGroup == 0;
+  extra.early_q_release = fp8_early_q_release(kHeadDim, Traits::kBlockM, p);
   extra.scale_log2 = scalars.scale_log2;  // softmax_scale * log2(e) (no softcap in fp8)
 
   Params params{
@@ -107,11 +115,6 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
       TileScheduler(p.s_q, Traits::kBlockM, p.h, p.b,
                     scalars.window_left >= 0 || scalars.window_right >= 0)};
 
-  int device = 0;
-  int num_sms = 0;
-  JAX_FA3_RETURN_IF_CUDA_ERROR(cudaGetDevice(&device));
-  JAX_FA3_RETURN_IF_CUDA_ERROR(
-      cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
   const int grid = std::min(num_sms, params.scheduler.num_tiles);
 
   auto* kernel = &flash_fwd_kernel<Traits>;

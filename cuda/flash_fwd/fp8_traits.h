@@ -156,12 +156,15 @@ struct Fp8KernelTraits {
     uint64_t v_full[kStages];
     uint64_t v_empty[kStages];
   };
-  // O has its own buffer (bf16: twice Q's fp8 bytes). Releasing Q's buffer after a tile's last S
-  // GEMM (kEarlyQRelease, consumer.h) measured slower here (H200 kernel alone, same run,
-  // 2026-12-01: d128 771-772 vs 803-804 TFLOP/s non-causal 8k, 683-700 vs 714-716 causal; d64
-  // causal 422 vs 435-436), so q_empty waits for the TMA store of O, which also keeps the O buffer
-  // from being overwritten by the next tile before the store has read it (epilogue.h).
+  // O has its own buffer (bf16: twice Q's fp8 bytes), so Q's buffer may be released after a
+  // tile's last S GEMM (consumer.h); whether it is, is chosen per call (KernelParams::
+  // early_q_release, flash_fwd_fp8.h: fp8_early_q_release). Otherwise q_empty waits for the TMA
+  // store of O, which also keeps the O buffer from being overwritten by the next tile before the
+  // store has read it (epilogue.h). Not a compile-time choice here: kEarlyQRelease is only the
+  // 16-bit traits' member that early_q_release() reads; kEarlyQReleasePerCall says whether this
+  // kernel reads the per-call flag at all.
   static constexpr bool kEarlyQRelease = false;
+  static constexpr bool kEarlyQReleasePerCall = fp8_may_release_q_early(kHeadDim, kBlockM);
   __device__ __forceinline__ static ElementOut* o_smem(SharedStorage& ss) { return ss.o.data(); }
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 232448, "shared memory over the 227 KB per-block limit");

@@ -17,79 +17,103 @@ constexpr int kVtTileKeys = 128;
 constexpr int kVtTileDims = 128;
 constexpr int kVtThreads = 128;
 
-// grid (ceil(s_pad / 128), ceil(d / 128), b * h_k), 128 threads. d % 16 == 0 (16-byte rows).
-// Loads: 16-byte chunks of whole 128-byte key rows. Stores: each thread owns one group of 32 key
-// slots for four dims, gathers them as 32-bit words (4 dims of one key) from shared memory and
-// transposes 4x4 bytes with byte permutes, so it writes one full 32-byte sector per dim. Both
-// shared-memory phases touch 32 consecutive words per warp instruction: no bank conflicts.
-// The first version (64x64 tiles, one byte load and shift per output byte, 4-way bank conflicts)
-// measured 43 us of 1.78 ms at d128 8k (ncu, fourth session): ~1.6 TB/s. This one, in the
-// kernel-alone time that includes it (H200, eleventh session, benchmarks/RESULTS.md): d128
-// 799-801 vs 796-802 TFLOP/s, d256 1030 vs 1027, d64 535 vs 531: within the run's noise.
+// Persistent: grid min(#tiles, kVtCtasPerSm * #SMs), 128 threads; CTA i walks the 128-key x
+// 128-dim tiles i, i + gridDim.x, ... (key tile fastest, then dim tile, then batch * h_k).
+// d % 16 == 0 (16-byte rows). Loads: 16-byte chunks of whole 128-byte key rows, kept in registers
+// and issued one tile ahead, so that each CTA's reads of tile i + 1 are in flight while it stores
+// tile i. Stores: each thread owns one group of 32 key slots for four dims, gathers them as
+// 32-bit words (4 dims of one key) from shared memory and transposes 4x4 bytes with byte
+// permutes, so it writes one full 32-byte sector per dim. Both shared-memory phases touch 32
+// consecutive words per warp instruction: no bank conflicts.
+// Pre-pass alone, d128, b*s = 16k tokens, h = 16 (32 MB in, 32 MB out; H200, twelfth session,
+// benchmarks/RESULTS.md): one tile per CTA (grid = #tiles, ~1.2 waves) 40-41 us; persistent with
+// 4 / 8 / 16 CTAs per SM 36-37 / 35-37 / 35-36 us. Kernel alone with it (8 per SM): +0.4-0.9%.
+constexpr int kVtCtasPerSm = 8;
 // static: every fp8 instantiation TU (one per head-dim bucket) includes this header and launches
 // its own copy; with external linkage the library's link failed on duplicate definitions.
 static __global__ void __launch_bounds__(kVtThreads)
     fp8_transpose_v_kernel(const uint8_t* __restrict__ v, const float* __restrict__ k_scale,
                            uint8_t* __restrict__ vt, float* __restrict__ k_col, int s_k, int h_k,
-                           int d, int s_pad, int block_size, int num_k_blocks) {
+                           int d, int s_pad, int block_size, int num_k_blocks, int num_key_tiles,
+                           int num_dim_tiles, int num_tiles) {
   constexpr int kChunksPerKey = kVtTileDims / 16;
+  constexpr int kLoadsPerThread = kVtTileKeys * kChunksPerKey / kVtThreads;
   __shared__ __align__(16) uint32_t tile[kVtTileKeys][kVtTileDims / 4];
-  const int bh = blockIdx.z;  // batch * h_k + kv head
-  const int b = bh / h_k, hk = bh % h_k;
-  const int key0 = blockIdx.x * kVtTileKeys;
-  const int d0 = blockIdx.y * kVtTileDims;
   const int t = threadIdx.x;
-
-  // Zeros outside [0, s_k) x [0, d).
   const int chunk = t % kChunksPerKey;
+  struct Coord {
+    int bh, key0, d0;
+  };
+  auto coord_of = [&](int i) {
+    const int rest = i / num_key_tiles;
+    return Coord{rest / num_dim_tiles, (i % num_key_tiles) * kVtTileKeys,
+                 (rest % num_dim_tiles) * kVtTileDims};
+  };
+  // Zeros outside [0, s_k) x [0, d).
+  auto load = [&](const Coord& c, uint4 (&val)[kLoadsPerThread]) {
+    const int b = c.bh / h_k, hk = c.bh % h_k;
 #pragma unroll
-  for (int r = 0; r < kVtTileKeys * kChunksPerKey / kVtThreads; ++r) {
-    const int key = t / kChunksPerKey + r * (kVtThreads / kChunksPerKey);
-    const int dd = 16 * chunk;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (key0 + key < s_k && d0 + dd < d) {
-      const int64_t off = ((int64_t(b) * s_k + key0 + key) * h_k + hk) * d + d0 + dd;
-      val = *reinterpret_cast<const uint4*>(v + off);
+    for (int r = 0; r < kLoadsPerThread; ++r) {
+      const int key = t / kChunksPerKey + r * (kVtThreads / kChunksPerKey);
+      const int dd = 16 * chunk;
+      val[r] = make_uint4(0, 0, 0, 0);
+      if (c.key0 + key < s_k && c.d0 + dd < d) {
+        const int64_t off = ((int64_t(b) * s_k + c.key0 + key) * h_k + hk) * d + c.d0 + dd;
+        val[r] = __ldcs(reinterpret_cast<const uint4*>(v + off));
+      }
     }
-    *reinterpret_cast<uint4*>(&tile[key][4 * chunk]) = val;
-  }
-  __syncthreads();
+  };
 
-  // Slot c of group g holds key 32 g + fp8_key_of_slot(c); word w of a dim's row holds slots
-  // 4w..4w+3 (byte e = slot 4w + e).
-  const int group = t / 32;
-  const int quad = t % 32;  // dims d0 + 4 quad .. + 3
-  const int dim = d0 + 4 * quad;
-  if (dim < d && key0 + 32 * group < s_pad) {
-    uint32_t rows[4][8];  // [dim within the quad][word]
+  uint4 staged[kLoadsPerThread];
+  int i = blockIdx.x;
+  if (i < num_tiles) load(coord_of(i), staged);
+  for (; i < num_tiles; i += gridDim.x) {
+    const Coord c = coord_of(i);
+    __syncthreads();  // the previous tile's gathers are done with `tile`
 #pragma unroll
-    for (int w = 0; w < 8; ++w) {
-      const uint32_t k0 = tile[32 * group + fp8::fp8_key_of_slot(4 * w + 0)][quad];
-      const uint32_t k1 = tile[32 * group + fp8::fp8_key_of_slot(4 * w + 1)][quad];
-      const uint32_t k2 = tile[32 * group + fp8::fp8_key_of_slot(4 * w + 2)][quad];
-      const uint32_t k3 = tile[32 * group + fp8::fp8_key_of_slot(4 * w + 3)][quad];
-      const uint32_t lo01 = __byte_perm(k0, k1, 0x5140);  // k0.b0 k1.b0 k0.b1 k1.b1
-      const uint32_t lo23 = __byte_perm(k2, k3, 0x5140);
-      const uint32_t hi01 = __byte_perm(k0, k1, 0x7362);  // k0.b2 k1.b2 k0.b3 k1.b3
-      const uint32_t hi23 = __byte_perm(k2, k3, 0x7362);
-      rows[0][w] = __byte_perm(lo01, lo23, 0x5410);  // byte 0 of k0..k3
-      rows[1][w] = __byte_perm(lo01, lo23, 0x7632);
-      rows[2][w] = __byte_perm(hi01, hi23, 0x5410);
-      rows[3][w] = __byte_perm(hi01, hi23, 0x7632);
+    for (int r = 0; r < kLoadsPerThread; ++r) {
+      const int key = t / kChunksPerKey + r * (kVtThreads / kChunksPerKey);
+      *reinterpret_cast<uint4*>(&tile[key][4 * chunk]) = staged[r];
     }
+    __syncthreads();
+    if (i + gridDim.x < num_tiles) load(coord_of(i + gridDim.x), staged);
+
+    // Slot c of group g holds key 32 g + fp8_key_of_slot(c); word w of a dim's row holds slots
+    // 4w..4w+3 (byte e = slot 4w + e).
+    const int group = t / 32;
+    const int quad = t % 32;  // dims d0 + 4 quad .. + 3
+    const int dim = c.d0 + 4 * quad;
+    if (dim < d && c.key0 + 32 * group < s_pad) {
+      uint32_t rows[4][8];  // [dim within the quad][word]
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      auto* dst = reinterpret_cast<uint4*>(vt + (int64_t(bh) * d + dim + j) * s_pad + key0 +
-                                           32 * group);
-      dst[0] = make_uint4(rows[j][0], rows[j][1], rows[j][2], rows[j][3]);
-      dst[1] = make_uint4(rows[j][4], rows[j][5], rows[j][6], rows[j][7]);
+      for (int w = 0; w < 8; ++w) {
+        const uint32_t k0 = tile[32 * group + fp8::fp8_key_of_slot(4 * w + 0)][quad];
+        const uint32_t k1 = tile[32 * group + fp8::fp8_key_of_slot(4 * w + 1)][quad];
+        const uint32_t k2 = tile[32 * group + fp8::fp8_key_of_slot(4 * w + 2)][quad];
+        const uint32_t k3 = tile[32 * group + fp8::fp8_key_of_slot(4 * w + 3)][quad];
+        const uint32_t lo01 = __byte_perm(k0, k1, 0x5140);  // k0.b0 k1.b0 k0.b1 k1.b1
+        const uint32_t lo23 = __byte_perm(k2, k3, 0x5140);
+        const uint32_t hi01 = __byte_perm(k0, k1, 0x7362);  // k0.b2 k1.b2 k0.b3 k1.b3
+        const uint32_t hi23 = __byte_perm(k2, k3, 0x7362);
+        rows[0][w] = __byte_perm(lo01, lo23, 0x5410);  // byte 0 of k0..k3
+        rows[1][w] = __byte_perm(lo01, lo23, 0x7632);
+        rows[2][w] = __byte_perm(hi01, hi23, 0x5410);
+        rows[3][w] = __byte_perm(hi01, hi23, 0x7632);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        auto* dst = reinterpret_cast<uint4*>(vt + (int64_t(c.bh) * d + dim + j) * s_pad +
+                                             c.key0 + 32 * group);
+        dst[0] = make_uint4(rows[j][0], rows[j][1], rows[j][2], rows[j][3]);
+        dst[1] = make_uint4(rows[j][4], rows[j][5], rows[j][6], rows[j][7]);
+      }
     }
-  }
-  if (blockIdx.y == 0 && t < kVtTileKeys) {
-    const int key = key0 + t;
-    if (key < s_pad) {
-      k_col[int64_t(bh) * s_pad + key] =
-          key < s_k ? k_scale[int64_t(bh) * num_k_blocks + key / block_size] : 1.f;
+    if (c.d0 == 0 && t < kVtTileKeys) {
+      const int key = c.key0 + t;
+      if (key < s_pad) {
+        k_col[int64_t(c.bh) * s_pad + key] =
+            key < s_k ? k_scale[int64_t(c.bh) * num_k_blocks + key / block_size] : 1.f;
+      }
     }
   }
 }

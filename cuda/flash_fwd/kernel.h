@@ -21,9 +21,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 
   if (threadIdx.x == 0) {
     mbar_init(&ss.q_full, 1);
-    // Q's buffer is released by every consumer warp after its last S GEMM where O has its own
-    // buffer, else by consumer thread 0 once the TMA store of O has read it (consumer.h).
-    mbar_init(&ss.q_empty, Traits::kEarlyQRelease ? Traits::kNumConsumerThreads / 32 : 1);
+    // Q's buffer is released by every consumer warp after its last S GEMM where the kernel does
+    // so (KernelParams::early_q_release), else by consumer thread 0 once the TMA store of O has
+    // read it (consumer.h).
+    mbar_init(&ss.q_empty, params.early_q_release() ? Traits::kNumConsumerThreads / 32 : 1);
 #pragma unroll
     for (int s = 0; s < Traits::kStages; ++s) {
       mbar_init(&ss.k_full[s], 1);

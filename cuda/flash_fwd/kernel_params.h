@@ -38,6 +38,7 @@ template <> struct ExtraParams<true> {
   int block_size;            // tokens per q/k scale
   int s_pad;                 // keys of Vt / k_col_scale rows (s_k rounded up to 32)
   int k_scale_grouped;       // block_size % 32 == 0: one k scale per 32-key group (fp8_softmax.h)
+  int early_q_release;       // release Q's buffer after each tile's last S GEMM (flash_fwd_fp8.h)
   float scale_log2;          // softmax_scale * log2(e)
 };
 
@@ -49,6 +50,18 @@ using TileVOf = std::conditional_t<Traits::kFp8, Shape<Int<Traits::kHeadDim>, In
 
 template <class Traits>
 struct KernelParams : ExtraParams<Traits::kFp8> {
+  // Whether Q's buffer is released after each tile's last S GEMM (the next tile's Q then loads
+  // under this tile's tail) instead of after the TMA store of O: fixed per traits for 16-bit
+  // (Traits::kEarlyQRelease: O has its own buffer), chosen per call for fp8, whose O always has
+  // its own buffer (flash_fwd_fp8.h, fp8_early_q_release).
+  __device__ __forceinline__ bool early_q_release() const {
+    if constexpr (Traits::kFp8) {
+      return Traits::kEarlyQReleasePerCall && this->ExtraParams<true>::early_q_release != 0;
+    } else {
+      return Traits::kEarlyQRelease;
+    }
+  }
+
   using Element = typename Traits::Element;
   using ElementOut = typename Traits::ElementOut;
   using TileQ = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>;

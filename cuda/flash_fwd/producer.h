@@ -2,7 +2,7 @@
 //
 // Barrier protocol (all mbarriers in SharedStorage, initialised in kernel.h):
 //   q_full      count 1 + tx   producer arrive_expect_tx(Q bytes); TMA completes the bytes
-//   q_empty     count 8 or 1   Traits::kEarlyQRelease: one arrive per consumer warp once its S
+//   q_empty     count 8 or 1   p.early_q_release(): one arrive per consumer warp once its S
 //                              GEMM of the tile's last K/V block finished (Q is dead; the next Q
 //                              loads under the tile's tail). Else consumer thread 0 once the TMA
 //                              store has read O (staged in Q's buffer, or for fp8 in its own)
