@@ -12,19 +12,20 @@
 
 namespace jax_fa3::fwd {
 
-// One CTA per 128 keys (four permutation groups) x 128 dims of one (batch, kv head).
+// A tile: 128 keys (four permutation groups) x 128 dims of one (batch, kv head).
 constexpr int kVtTileKeys = 128;
 constexpr int kVtTileDims = 128;
 constexpr int kVtThreads = 128;
 
 // Persistent: grid min(#tiles, kVtCtasPerSm * #SMs), 128 threads; CTA i walks the 128-key x
 // 128-dim tiles i, i + gridDim.x, ... (key tile fastest, then dim tile, then batch * h_k).
-// d % 16 == 0 (16-byte rows). Loads: 16-byte chunks of whole 128-byte key rows, kept in registers
-// and issued one tile ahead, so that each CTA's reads of tile i + 1 are in flight while it stores
-// tile i. Stores: each thread owns one group of 32 key slots for four dims, gathers them as
-// 32-bit words (4 dims of one key) from shared memory and transposes 4x4 bytes with byte
-// permutes, so it writes one full 32-byte sector per dim. Both shared-memory phases touch 32
-// consecutive words per warp instruction: no bank conflicts.
+// d % 16 == 0 (16-byte rows). Loads: 16-byte chunks of whole 128-byte key rows (streaming: V is
+// read once here and never again by the forward), kept in registers and issued one tile ahead,
+// so that each CTA's reads of tile i + 1 are in flight while it stores tile i. Stores: each
+// thread owns one group of 32 key slots for four dims, gathers them as 32-bit words (4 dims of
+// one key) from shared memory and transposes 4x4 bytes with byte permutes, so it writes one full
+// 32-byte sector per dim. Both shared-memory phases touch 32 consecutive words per warp
+// instruction: no bank conflicts.
 // Pre-pass alone, d128, b*s = 16k tokens, h = 16 (32 MB in, 32 MB out; H200, twelfth session,
 // benchmarks/RESULTS.md): one tile per CTA (grid = #tiles, ~1.2 waves) 40-41 us; persistent with
 // 4 / 8 / 16 CTAs per SM 36-37 / 35-37 / 35-36 us. Kernel alone with it (8 per SM): +0.4-0.9%.
