@@ -58,10 +58,11 @@ constexpr auto smem_atom_k_major_bytes() {
 // 128x128 380 at 8k (fifth session). d128 192x128 in the plain order with the pipelined PV
 // (kPipelinedPv; 12 bytes spilled before kTreeRowSums) vs 128x128 with the overlap (eleventh
 // session, two runs): 814-830 vs 789-802 non-causal 8k, 717-735 vs 696-709 causal 8k, but
-// 437-448 vs 466-475 causal 2k, hence both d128 kernels. Not taken at d128: 192x96 767, 192x128 with every 8th exp2 on the
-// FMA pipe 790-792, 192x128 with 3 K/V stages 816 (no gain); in the plain order pipelined at 128
-// rows: 128x224 791 (240 registers), 128x192 755, 128x128 / 128x192 / 128x224 with the next S
-// GEMM issued right after the PV k-steps 742 / 773-778 / 747 (eleventh session).
+// 437-448 vs 466-475 causal 2k, hence both d128 kernels. Not taken at d128: 192x96 767, 192x128
+// with every 8th exp2 on the FMA pipe 790-792, 192x128 with 3 K/V stages 816 (no gain); in the
+// plain order pipelined at 128 rows: 128x224 791 (240 registers), 128x192 755, 128x128 /
+// 128x192 / 128x224 with the next S GEMM issued right after the PV k-steps 742 / 773-778 / 747
+// (eleventh session).
 template <int kHeadDim_, int kBlockM_ = fp8_default_block_m(kHeadDim_)>
 struct Fp8KernelTraits {
   using Element = cutlass::float_e4m3_t;
@@ -160,10 +161,8 @@ struct Fp8KernelTraits {
   // tile's last S GEMM (consumer.h); whether it is, is chosen per call (KernelParams::
   // early_q_release, flash_fwd_fp8.h: fp8_early_q_release). Otherwise q_empty waits for the TMA
   // store of O, which also keeps the O buffer from being overwritten by the next tile before the
-  // store has read it (epilogue.h). Not a compile-time choice here: kEarlyQRelease is only the
-  // 16-bit traits' member that early_q_release() reads; kEarlyQReleasePerCall says whether this
-  // kernel reads the per-call flag at all.
-  static constexpr bool kEarlyQRelease = false;
+  // store has read it (epilogue.h). kEarlyQReleasePerCall: whether this kernel reads the per-call
+  // flag at all.
   static constexpr bool kEarlyQReleasePerCall = fp8_may_release_q_early(kHeadDim, kBlockM);
   __device__ __forceinline__ static ElementOut* o_smem(SharedStorage& ss) { return ss.o.data(); }
   static constexpr int kSmemBytes = sizeof(SharedStorage);

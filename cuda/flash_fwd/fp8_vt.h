@@ -50,12 +50,14 @@ static __global__ void __launch_bounds__(kVtThreads)
     return Coord{rest / num_dim_tiles, (i % num_key_tiles) * kVtTileKeys,
                  (rest % num_dim_tiles) * kVtTileDims};
   };
+  // The tile row (key) of this thread's r-th 16-byte chunk, in the load and in the smem staging.
+  auto key_of_chunk = [&](int r) { return t / kChunksPerKey + r * (kVtThreads / kChunksPerKey); };
   // Zeros outside [0, s_k) x [0, d).
   auto load = [&](const Coord& c, uint4 (&val)[kLoadsPerThread]) {
     const int b = c.bh / h_k, hk = c.bh % h_k;
 #pragma unroll
     for (int r = 0; r < kLoadsPerThread; ++r) {
-      const int key = t / kChunksPerKey + r * (kVtThreads / kChunksPerKey);
+      const int key = key_of_chunk(r);
       const int dd = 16 * chunk;
       val[r] = make_uint4(0, 0, 0, 0);
       if (c.key0 + key < s_k && c.d0 + dd < d) {
@@ -73,8 +75,7 @@ static __global__ void __launch_bounds__(kVtThreads)
     __syncthreads();  // the previous tile's gathers are done with `tile`
 #pragma unroll
     for (int r = 0; r < kLoadsPerThread; ++r) {
-      const int key = t / kChunksPerKey + r * (kVtThreads / kChunksPerKey);
-      *reinterpret_cast<uint4*>(&tile[key][4 * chunk]) = staged[r];
+      *reinterpret_cast<uint4*>(&tile[key_of_chunk(r)][4 * chunk]) = staged[r];
     }
     __syncthreads();
     if (i + gridDim.x < num_tiles) load(coord_of(i + gridDim.x), staged);
