@@ -6,10 +6,12 @@ output is checked against the fp32 reference before its speed is quoted.
 
 FP8 peers (forward only, timed from pre-quantized inputs, FLOPs counted as the bf16 forward):
 `jax_fa3_fp8` (our e4m3 kernel, block_size 64, incoherent processing off; the V transpose
-pre-pass is inside the timing) and, when JAX's private cuDNN FP8 API works, `cudnn_fp8` (per-tensor
+pre-pass is inside the timing), `jax_fa3_fp8_vt` (the same kernel with v pre-quantized into its
+own layout, as the user's call from bf16 quantizes it: no pre-pass) and, when JAX's private cuDNN FP8 API works, `cudnn_fp8` (per-tensor
 scales, e4m3 output dequantized inside the timing). Their error vs the fp32 reference is the fp8
 error (~5e-2 on normal data), so they are quoted up to 0.1. `jax_fa3_fp8_e2e` is the user's call
-`flash_attention_fp8(q, k, v)` from bf16 inputs (random rotation, quantization, V pre-pass, kernel)
+`flash_attention_fp8(q, k, v)` from bf16 inputs (random rotation, quantization with v written in
+the kernel's layout, kernel; `jax_fa3_fp8_e2e_prepass`: v quantized as is, then the pre-pass)
 and `fp8_prep` (a table of its own) times the rotation + quantization pass alone: the fused CUDA
 pass and the XLA path it replaced.
 
@@ -64,14 +66,42 @@ def _fp8_peers(causal):
     cfg = fp8.Fp8Config(att, block_size=64, incoherent=False, return_lse=False)
     return fp8.fp8_forward(q8, k8, v8, qs, ks, vs, cfg)[0]
 
+  # The kernel without its V pre-pass: v pre-quantized straight into the kernel's layout (the
+  # quantization pass's keys-transposed mode, as the user's call from bf16 runs it).
+  def prepare_ours_vt(q, k, v):
+    q8, k8, _, qs, ks, _ = prepare_ours(q, k, v)
+    vt, vs = fp8._fused_rotate_quantize(False, None, keys_transposed=True)(
+        v, jnp.ones(v.shape[-1:], jnp.float32))
+    return jax.block_until_ready((q8, k8, vt, qs, ks, vs[..., 0]))
+
+  def ours_vt(q8, k8, vt, qs, ks, vs):
+    att = AttentionConfig(softmax_scale=q8.shape[-1] ** -0.5, window_left=-1,
+                          window_right=0 if causal else -1)
+    cfg = fp8.Fp8Config(att, block_size=64, incoherent=False, return_lse=False)
+    return fp8._kernel_forward(cfg, v_transposed=True)(q8, k8, vt, qs, ks, vs)[0]
+
   # The whole user call from bf16: rotation + quantization of q and k (fused CUDA pass), v's
-  # quantization, the V pre-pass and the kernel, all inside the timing.
+  # quantization (into the kernel's V layout) and the kernel, all inside the timing; `_prepass`:
+  # the same with v quantized as is and transposed by the kernel's pre-pass.
   def end_to_end(q, k, v):
     return jax_fa3.flash_attention_fp8(q, k, v, causal=causal, block_size=64)
 
+  def end_to_end_prepass(q, k, v):
+    att = AttentionConfig(softmax_scale=q.shape[-1] ** -0.5, window_left=-1,
+                          window_right=0 if causal else -1)
+    cfg = fp8.Fp8Config(att, block_size=64, incoherent=True, transpose_v_in_quantize=False)
+    signs = jax.random.rademacher(jax.random.PRNGKey(0), q.shape[-1:], dtype=jnp.float32)
+    return fp8._fp8_from_float(q, k, v, signs, cfg)[0]
+
   peers = [_bench.Peer("jax_fa3_fp8", ours, prepare=prepare_ours, max_rel_err=0.1,
                        forward_only=True),
-           _bench.Peer("jax_fa3_fp8_e2e", end_to_end, max_rel_err=0.1, forward_only=True)]
+           _bench.Peer("jax_fa3_fp8_e2e", end_to_end, max_rel_err=0.1, forward_only=True),
+           _bench.Peer("jax_fa3_fp8_e2e_prepass", end_to_end_prepass, max_rel_err=0.1,
+                       forward_only=True)]
+  if fp8._v_transposed_by_quantize(jnp.zeros((1, 1, 1, 128), jnp.bfloat16),
+                                   fp8.Fp8Config(AttentionConfig(1.0, -1, -1))):
+    peers.append(_bench.Peer("jax_fa3_fp8_vt", ours_vt, prepare=prepare_ours_vt,
+                             max_rel_err=0.1, forward_only=True))
   try:
     from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa  # noqa: PLC0415
   except Exception:  # noqa: BLE001 (private API: absent or moved)
@@ -184,9 +214,12 @@ def prep_rows(head_dims, seqlens, min_time):
         t = _bench.median_seconds(jax.jit(fn), q, k, v, signs, min_time=min_time)
         row[f"{name}_us"] = t * 1e6
         row[f"{name}_gbps"] = min_bytes / t / 1e9
-      # Its parts: one rotated q/k (per 64-token block) and v (one scale per head).
+      # Its parts: one rotated q/k (per 64-token block) and v (one scale per head), as is and
+      # in the kernel's V layout (what the user's call from bf16 runs).
+      v_layout = fp8._fused_rotate_quantize(False, None, keys_transposed=True)
       for name, fn in (("q_rotated", lambda x, s: fp8._rotate_quantize(x, s, True, 64)),
-                       ("v_per_head", lambda x, s: fp8._rotate_quantize(x, s, False, None))):
+                       ("v_per_head", lambda x, s: fp8._rotate_quantize(x, s, False, None)),
+                       ("v_kernel_layout", lambda x, s: v_layout(x, jnp.ones_like(s)))):
         t = _bench.median_seconds(jax.jit(fn), q, signs, min_time=min_time)
         row[f"{name}_us"] = t * 1e6
         row[f"{name}_gbps"] = q.size * 3 / t / 1e9
@@ -197,7 +230,8 @@ def prep_rows(head_dims, seqlens, min_time):
 
 def prep_table(prep, rows) -> str:
   lines = ["| d | seqlen | fused µs (GB/s) | XLA µs (GB/s) | fused / our fp8 kernel time | "
-           "q rotated µs (GB/s) | v per head µs (GB/s) |", "|---|---|---|---|---|---|---|"]
+           "q rotated µs (GB/s) | v per head µs (GB/s) | v in the kernel's layout µs (GB/s) |",
+           "|---|---|---|---|---|---|---|---|"]
   for r in prep:
     kernel = next((x for x in rows if (x["peer"], x["d"], x["seqlen"], x["causal"]) ==
                    ("jax_fa3_fp8", r["d"], r["seqlen"], False) and x.get("fwd_ms")), None)
@@ -205,7 +239,8 @@ def prep_table(prep, rows) -> str:
     lines.append(f"| {r['d']} | {r['seqlen']} | {r['fused_us']:.0f} ({r['fused_gbps']:.0f}) | "
                  f"{r['xla_us']:.0f} ({r['xla_gbps']:.0f}) | {share} | "
                  f"{r['q_rotated_us']:.0f} ({r['q_rotated_gbps']:.0f}) | "
-                 f"{r['v_per_head_us']:.0f} ({r['v_per_head_gbps']:.0f}) |")
+                 f"{r['v_per_head_us']:.0f} ({r['v_per_head_gbps']:.0f}) | "
+                 f"{r['v_kernel_layout_us']:.0f} ({r['v_kernel_layout_gbps']:.0f}) |")
   return "\n".join(lines)
 
 

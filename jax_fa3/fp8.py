@@ -38,7 +38,10 @@ one read of the bf16/fp16/fp32 input, the butterflies in registers, one e4m3 wri
 XLA's float32 copy, transform and quantization; its quantization is the pure-JAX one bit for bit
 (scales and, without rotation, values), and its butterflies are those of `hadamard_transform`'s
 pure-JAX form in the same order; only the last rounding of the 1/sqrt(d) factor can differ from
-XLA's (one float32 ulp, so an e4m3 value rarely moves by one step). The remaining differences
+XLA's (one float32 ulp, so an e4m3 value rarely moves by one step). v's quantization in the
+same pass writes the kernel's V layout directly (keys contiguous, permuted inside groups of 32,
+zero-padded to a multiple of 32: `_keys_transposed`), so the kernel skips the transpose pre-pass it
+runs on pre-quantized v (same bytes, so the same output bit for bit). The remaining differences
 are float32 operation order, the key tile width (the running max at which P is quantized) and the
 Hopper fp8 tensor-core accumulator, whose internal precision is below float32: compare the kernel
 with this emulation to a tolerance, not bitwise.
@@ -93,6 +96,10 @@ class Fp8Config:
   incoherent: bool = True
   return_lse: bool = False
   tile_k: int = EMULATION_TILE_K
+  # On the GPU, v's quantization pass writes the kernel's transposed V layout itself (no V
+  # pre-pass inside the kernel call). False: quantize v as is and let the kernel transpose it
+  # (what pre-quantized inputs get); benchmarks time both.
+  transpose_v_in_quantize: bool = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -180,24 +187,57 @@ def _fused_quantize_supported(x, block_size) -> bool:
           and _ffi.kernels_available() and _ffi.has_target(ROTATE_QUANTIZE_TARGET))
 
 
-def _fused_rotate_quantize(rotate: bool, block_size: int | None):
-  """The CUDA pass as a function of (x, signs32); vmap folds a mapped axis into the batch."""
+# The kernel's V layout (cuda/flash_fwd/fp8_layout.h, fp8_key_of_slot): slot c of each group of
+# 32 keys holds key KEY_OF_SLOT[c].
+KEY_PAD = 32
+KEY_OF_SLOT = tuple(16 * (c // 16) + 8 * ((c % 4) // 2) + 2 * ((c % 16) // 4) + c % 2
+                    for c in range(KEY_PAD))
+
+
+def _keys_transposed(values):
+  """e4m3 (b, s, h, d) -> the fp8 kernel's V layout (b, h, d, s_pad): keys last, padded with
+  zeros to s_pad = s rounded up to 32, permuted inside each group of 32 (KEY_OF_SLOT). What the
+  CUDA pass writes in its keys-transposed mode; here for vmap lanes that take the XLA path."""
+  b, s, h, d = values.shape
+  s_pad = -(-s // KEY_PAD) * KEY_PAD
+  padded = jnp.pad(values, ((0, 0), (0, s_pad - s), (0, 0), (0, 0)))
+  slots = (np.arange(s_pad) // KEY_PAD) * KEY_PAD + np.asarray(KEY_OF_SLOT)[np.arange(s_pad) % KEY_PAD]
+  return jnp.transpose(padded[:, slots], (0, 2, 3, 1))
+
+
+def _xla_quantize_keys_transposed(x, signs, rotate: bool):
+  values, scales = _xla_rotate_quantize(x, signs, rotate, None)
+  return _keys_transposed(values), scales
+
+
+def _fused_rotate_quantize(rotate: bool, block_size: int | None, keys_transposed: bool = False):
+  """The CUDA pass as a function of (x, signs32); vmap folds a mapped axis into the batch.
+
+  keys_transposed (one block per head only): values come back in the fp8 kernel's V layout
+  (b, h, d, s_pad), see `_keys_transposed`.
+  """
+  assert not keys_transposed or block_size is None
 
   @jax.custom_batching.custom_vmap
   def call(x, signs32):
-    b, s, h, _ = x.shape
+    b, s, h, d = x.shape
     block = s if block_size is None else min(block_size, s)  # the same blocks
-    result_types = (jax.ShapeDtypeStruct(x.shape, E4M3),
+    values_shape = (b, h, d, -(-s // KEY_PAD) * KEY_PAD) if keys_transposed else x.shape
+    result_types = (jax.ShapeDtypeStruct(values_shape, E4M3),
                     jax.ShapeDtypeStruct((b, h, -(-s // block)), jnp.float32))
     values, scales = jax.ffi.ffi_call(ROTATE_QUANTIZE_TARGET, result_types)(
-        x, signs32, rotate=np.bool_(rotate), block_size=np.int32(block))
+        x, signs32, rotate=np.bool_(rotate), block_size=np.int32(block),
+        keys_transposed=np.bool_(keys_transposed))
     return values, scales
 
   @call.def_vmap
   def _rule(axis_size, in_batched, x, signs32):
     x_batched, signs_batched = in_batched
     if signs_batched:  # a rotation per lane: the XLA path, lane by lane
-      lane = functools.partial(_xla_rotate_quantize, rotate=rotate, block_size=block_size)
+      if keys_transposed:
+        lane = functools.partial(_xla_quantize_keys_transposed, rotate=rotate)
+      else:
+        lane = functools.partial(_xla_rotate_quantize, rotate=rotate, block_size=block_size)
       return jax.vmap(lane, in_axes=(0 if x_batched else None, 0))(x, signs32), (True, True)
     if not x_batched:
       x = jnp.broadcast_to(x[None], (axis_size,) + x.shape)
@@ -381,28 +421,31 @@ def _emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
 KERNEL_HEAD_DIM_BUCKETS = (64, 128, 256)  # cuda/flash_fwd/flash_fwd_fp8.h kFp8HeadDimBuckets
 
 
-def _kernel_workspace_bytes(b, h_k, s_k, d) -> int:
-  """The handler's workspace: V transposed (b, h_k, d, s_pad) e4m3 + per-key k scales
-  (b, h_k, s_pad) f32, s_pad = s_k rounded up to 32 (flash_fwd_fp8_workspace_bytes in C++)."""
-  s_pad = -(-s_k // 32) * 32
-  return max(16, b * h_k * s_pad * (d + 4))
+def _kernel_workspace_bytes(b, h_k, s_k, d, v_transposed=False) -> int:
+  """The handler's workspace: V transposed (b, h_k, d, s_pad) e4m3 unless v arrives so, then the
+  per-key k scales (b, h_k, s_pad) f32, s_pad = s_k rounded up to 32
+  (flash_fwd_fp8_workspace_bytes in C++)."""
+  s_pad = -(-s_k // KEY_PAD) * KEY_PAD
+  return max(16, b * h_k * s_pad * ((0 if v_transposed else d) + 4))
 
 
-def _kernel_forward(cfg: Fp8Config):
+def _kernel_forward(cfg: Fp8Config, v_transposed: bool = False):
+  """The kernel call; v_transposed: v is already in its layout (b, h_k, d, s_pad)."""
   att = cfg.attention
 
   def call(q8, k8, v8, q_scale, k_scale, v_scale):
     b, s_q, h, d = q8.shape
     s_k, h_k = k8.shape[1], k8.shape[2]
+    workspace = _kernel_workspace_bytes(b, h_k, s_k, d, v_transposed)
     result_types = (jax.ShapeDtypeStruct(q8.shape, jnp.bfloat16),
                     jax.ShapeDtypeStruct((b, h, s_q), jnp.float32),
                     # scratch (transposed V, expanded k scales), dropped: XLA allocates it with
                     # the call's temporaries (the FFI ScratchAllocator gave nothing on the H200)
-                    jax.ShapeDtypeStruct((_kernel_workspace_bytes(b, h_k, s_k, d),), jnp.uint8))
+                    jax.ShapeDtypeStruct((workspace,), jnp.uint8))
     out, lse, _ = jax.ffi.ffi_call(KERNEL_TARGET, result_types)(
         q8, k8, v8, q_scale, k_scale, v_scale, softmax_scale=np.float32(att.softmax_scale),
         window_left=np.int32(att.window_left), window_right=np.int32(att.window_right),
-        block_size=np.int32(cfg.block_size))
+        block_size=np.int32(cfg.block_size), v_transposed=np.bool_(v_transposed))
     return out, lse
 
   return fold_vmap_into_batch(call)
@@ -459,9 +502,40 @@ def _rotate_and_quantize(q, k, v, signs, incoherent: bool, block_size: int):
   return q8, k8, v8, q_scale, k_scale, v_scale[..., 0]
 
 
-def _fp8_from_float(q, k, v, signs, cfg: Fp8Config):
+def _v_transposed_by_quantize(v, cfg: Fp8Config) -> bool:
+  """Whether the user's call from floats runs v's quantization in the kernel's V layout: the
+  fp8 kernel and the fused pass both apply, and the config asks for it."""
+  return (cfg.transpose_v_in_quantize and _kernel_unavailable_reason(v.shape[-1]) is None
+          and _fused_quantize_supported(v, None))
+
+
+def _kernel_from_float(q, k, v, signs, cfg: Fp8Config):
+  """The GPU branch: q, k quantized as everywhere, v straight into the kernel's layout."""
+  q8, q_scale = _rotate_quantize(q, signs, cfg.incoherent, cfg.block_size)
+  k8, k_scale = _rotate_quantize(k, signs, cfg.incoherent, cfg.block_size)
+  vt, v_scale = _fused_rotate_quantize(False, None, keys_transposed=True)(
+      v, jnp.ones(v.shape[-1:], jnp.float32))
+  return _kernel_forward(cfg, v_transposed=True)(q8, k8, vt, q_scale, k_scale, v_scale[..., 0])
+
+
+def _float_path(q, k, v, signs, cfg: Fp8Config):
   quantized = _rotate_and_quantize(q, k, v, signs, cfg.incoherent, cfg.block_size)
-  out, lse = fp8_forward(*quantized, cfg)
+  return fp8_forward(*quantized, cfg)
+
+
+@functools.partial(jax.jit, static_argnums=(4,))
+def _kernel_from_float_jit(q, k, v, signs, cfg: Fp8Config):
+  _ffi.ensure_registered()
+  return lax.platform_dependent(q, k, v, signs,
+                                cuda=functools.partial(_kernel_from_float, cfg=cfg),
+                                default=functools.partial(_float_path, cfg=cfg))
+
+
+def _fp8_from_float(q, k, v, signs, cfg: Fp8Config):
+  if _v_transposed_by_quantize(v, cfg):
+    out, lse = _kernel_from_float_jit(q, k, v, signs, dataclasses.replace(cfg, return_lse=False))
+  else:
+    out, lse = _float_path(q, k, v, signs, cfg)
   return out.astype(q.dtype), lse
 
 

@@ -257,6 +257,22 @@ def test_gradients_through_lse_are_straight_through():
   np.testing.assert_array_equal(np.asarray(g), np.asarray(g_ref))
 
 
+def test_keys_transposed_layout():
+  """The fp8 kernel's V layout (b, h, d, s_pad): slot c of each 32-key group holds key
+  KEY_OF_SLOT[c] (a permutation), zeros past s. The CUDA pass's keys-transposed mode is compared
+  with this function bit for bit on the GPU (tests/test_gpu_rotate_quantize.py)."""
+  assert sorted(fp8.KEY_OF_SLOT) == list(range(32))
+  b, s, h, d = 2, 77, 3, 32
+  values, _ = quantize_fp8(jax.random.normal(jax.random.PRNGKey(0), (b, s, h, d)), block_size=None)
+  vt = np.asarray(fp8._keys_transposed(values).astype(jnp.float32))
+  assert vt.shape == (b, h, d, 96)
+  v = np.asarray(values.astype(jnp.float32))
+  for slot in range(96):
+    key = 32 * (slot // 32) + fp8.KEY_OF_SLOT[slot % 32]
+    want = v[:, key] if key < s else np.zeros((b, h, d))
+    np.testing.assert_array_equal(vt[..., slot], want)
+
+
 def test_vmap_matches_batch():
   q, k, v = _normal(10, (3, 1, 30, 2, 16), (3, 1, 30, 2, 16), (3, 1, 30, 2, 16))
   out = jax.vmap(lambda q, k, v: flash_attention_fp8(q, k, v, causal=True))(q, k, v)

@@ -21,6 +21,7 @@ is ~5e-2 on N(0, 1) data (tests/test_fp8.py); so:
 All kernel outputs are NaN-poisoned before the kernel runs (JAX_FA3_DEBUG_POISON_OUTPUTS=1), so an
 unwritten element fails the finiteness checks.
 """
+import dataclasses
 import functools
 import os
 
@@ -81,10 +82,18 @@ def _rms(x):
   return float(np.sqrt(np.mean(np.square(x, dtype=np.float64))))
 
 
-def _check(seed, b, s_q, s_k, h, h_k, d, *, causal=False, window=(-1, -1), block_size=64):
+def _check(seed, b, s_q, s_k, h, h_k, d, *, causal=False, window=(-1, -1), block_size=64,
+           v_transposed=False):
+  """v_transposed: hand the kernel V already in its layout (what the user's call from floats
+  does, there written by the quantization pass; here laid out by XLA) instead of running its
+  pre-pass."""
   floats, quantized = _case(seed, b, s_q, s_k, h, h_k, d, block_size)
   cfg = _config(d, causal, window, block_size)
-  fn = jax.jit(lambda *a: fp8.fp8_forward(*a, cfg))
+  if v_transposed:
+    kernel = fp8._kernel_forward(cfg, v_transposed=True)
+    fn = jax.jit(lambda q8, k8, v8, *scales: kernel(q8, k8, fp8._keys_transposed(v8), *scales))
+  else:
+    fn = jax.jit(lambda *a: fp8.fp8_forward(*a, cfg))
   assert fp8.KERNEL_TARGET in fn.lower(*quantized).as_text(), "fp8 kernel not dispatched"
   out, lse = fn(*quantized)
   out2, lse2 = fn(*quantized)
@@ -175,6 +184,38 @@ def test_fp8_grid_sizes(b, h, s, causal):
   _check(b + h + s, b, s, s, h, h, 128, causal=causal)
 
 
+@pytest.mark.parametrize("s_q,s_k,h,h_k,d,causal", [
+    (1, 1, 4, 2, 128, False), (65, 4097, 4, 2, 128, True), (1000, 1000, 4, 2, 128, False),
+    (1000, 128, 8, 2, 64, True), (333, 517, 4, 2, 96, False), (257, 300, 8, 1, 256, True),
+    (4097, 4097, 2, 2, 128, False), (300, 300, 6, 3, 192, False)])
+def test_fp8_v_given_transposed(s_q, s_k, h, h_k, d, causal):
+  """The kernel without its V pre-pass (v_transposed): ragged key counts (zero padding keys),
+  GQA, every bucket, both d128 kernels."""
+  _check(s_q + s_k + d, 2, s_q, s_k, h, h_k, d, causal=causal, v_transposed=True)
+
+
+@pytest.mark.parametrize("d,s", [(128, 300), (64, 1000), (256, 129), (96, 77)])
+def test_fp8_from_floats_v_layout_from_quantize_equals_prepass(d, s):
+  """The user's call from floats quantizes v straight into the kernel's layout (no pre-pass);
+  its output must equal, bit for bit, that of the call that quantizes v as is and lets the kernel
+  transpose it (same e4m3 values, same kernel)."""
+  rng = np.random.default_rng(d + s)
+  q, k, v = (jnp.asarray(rng.standard_normal((2, s, 4, d)), jnp.bfloat16) for _ in range(3))
+  signs = jax.random.rademacher(jax.random.PRNGKey(0), (d,), dtype=jnp.float32)
+  att = AttentionConfig(softmax_scale=d**-0.5, window_left=-1, window_right=0)
+  cfg = fp8.Fp8Config(att, block_size=64, incoherent=True, return_lse=True)
+  assert fp8._v_transposed_by_quantize(v, cfg)
+  hlo = jax.jit(lambda *a: fp8._fp8_from_float(*a, cfg)).lower(q, k, v, signs).as_text()
+  assert "keys_transposed = true" in hlo and "v_transposed = true" in hlo, hlo[-2000:]
+  out, lse = fp8._fp8_from_float(q, k, v, signs, cfg)
+  prepass = dataclasses.replace(cfg, transpose_v_in_quantize=False)
+  assert not fp8._v_transposed_by_quantize(v, prepass)
+  out2, lse2 = fp8._fp8_from_float(q, k, v, signs, prepass)
+  assert np.all(np.isfinite(np.asarray(out, np.float32)))
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out2, np.float32))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))
+
+
 def test_fp8_scales_are_applied_per_row_and_column():
   # Blocks whose scales differ by orders of magnitude: a kernel that used one scale per head (or
   # indexed the wrong block) would be far off the emulation.
@@ -224,7 +265,8 @@ def test_fp8_head_dim_without_kernel_falls_back_to_emulation():
 _FFI_CALL = """
     def f8(shape):
       return jnp.ones(shape, jnp.float8_e4m3fn)
-    def call(q, k, v, qs, ks, vs, out_shape=None, ws=None, block_size=64, d_out=None):
+    def call(q, k, v, qs, ks, vs, out_shape=None, ws=None, block_size=64, d_out=None,
+             v_transposed=False):
       b, s_q, h, d = q.shape
       ws = ws if ws is not None else 1 << 20
       res = (jax.ShapeDtypeStruct(out_shape or q.shape, jnp.bfloat16),
@@ -232,7 +274,8 @@ _FFI_CALL = """
              jax.ShapeDtypeStruct((ws,), jnp.uint8))
       return lambda: jax.ffi.ffi_call("jax_fa3_flash_fwd_fp8", res)(
           q, k, v, qs, ks, vs, softmax_scale=np.float32(0.125), window_left=np.int32(-1),
-          window_right=np.int32(-1), block_size=np.int32(block_size))
+          window_right=np.int32(-1), block_size=np.int32(block_size),
+          v_transposed=np.bool_(v_transposed))
     ones = lambda *s: jnp.ones(s, jnp.float32)
 """
 
@@ -254,6 +297,9 @@ _FFI_CALL = """
      "ones(1, 4, 1), ones(1, 4))", "no fp8 kernel for head dim 24"),
     ("result = call(f8((1, 8, 4, 64)), f8((1, 8, 4, 64)), f8((1, 8, 4, 64)), ones(1, 4, 1), "
      "ones(1, 4, 1), ones(1, 4), out_shape=(1, 8, 4, 32))", "out must have q's shape"),
+    ("result = call(f8((1, 8, 4, 64)), f8((1, 8, 4, 64)), f8((1, 8, 4, 64)), ones(1, 4, 1), "
+     "ones(1, 4, 1), ones(1, 4), v_transposed=True)",
+     "v_transposed: v must be (b, h_k, d, s_k rounded up to 32) = (1, 4, 64, 32)"),
 ])
 def test_fp8_ffi_handler_rejects_bad_calls(body, expected):
   message = ffi_error_message(_FFI_CALL + "\n    " + body + "\n")

@@ -90,6 +90,33 @@ def test_matches_pure_jax(d, dtype, block_size, seqlen):
       _assert_within_one_e4m3_step(values, ref_values)
 
 
+def _fused_keys_transposed(x):
+  fn = jax.jit(lambda x, s: fp8._fused_rotate_quantize(False, None, keys_transposed=True)(x, s))
+  return fn(x, jnp.ones(x.shape[-1:], jnp.float32))
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
+@pytest.mark.parametrize("seqlen", [1, 100, 128, 129, 300, 1000])
+def test_keys_transposed_is_the_plain_pass_in_the_kernel_layout(d, seqlen):
+  """v's quantization in the fp8 kernel's V layout: bit for bit the plain pass's values, padded
+  and permuted by the XLA function (poisoned outputs: the padding keys must be written too)."""
+  x = _inputs(d + seqlen, (2, seqlen, 3, d), jnp.bfloat16)
+  vt, scales = _fused_keys_transposed(x)
+  values, ref_scales = _fused(x, _signs(d), False, None)
+  assert vt.dtype == fp8.E4M3 and vt.shape == (2, 3, d, -(-seqlen // 32) * 32)
+  np.testing.assert_array_equal(np.asarray(scales), np.asarray(ref_scales))
+  np.testing.assert_array_equal(np.asarray(vt).view(np.uint8),
+                                np.asarray(fp8._keys_transposed(values)).view(np.uint8))
+
+
+def test_keys_transposed_vmap_folds_into_batch():
+  x = _inputs(9, (6, 200, 2, 64), jnp.float16).reshape(3, 2, 200, 2, 64)
+  vt = jax.jit(jax.vmap(lambda x: _fused_keys_transposed(x)[0]))(x)
+  for i in range(3):
+    np.testing.assert_array_equal(np.asarray(vt[i]).view(np.uint8),
+                                  np.asarray(_fused_keys_transposed(x[i])[0]).view(np.uint8))
+
+
 def test_special_blocks_match_pure_jax():
   """An all-zero block (scale 1), a block with a NaN (scale 1, NaN only where the NaN was) and
   a block beyond e4m3's range."""
@@ -137,13 +164,14 @@ def test_vmap_folds_into_batch():
 
 
 _FFI_CALL = """
-    def call(x, values_shape, scales_shape, block_size=64, rotate=True, signs_len=None):
+    def call(x, values_shape, scales_shape, block_size=64, rotate=True, signs_len=None,
+             keys_transposed=False):
       d = x.shape[-1]
       types = (jax.ShapeDtypeStruct(values_shape, jnp.float8_e4m3fn),
                jax.ShapeDtypeStruct(scales_shape, jnp.float32))
       return jax.ffi.ffi_call("jax_fa3_rotate_quantize_fp8", types)(
           x, jnp.ones((signs_len or d,), jnp.float32), rotate=np.bool_(rotate),
-          block_size=np.int32(block_size))
+          block_size=np.int32(block_size), keys_transposed=np.bool_(keys_transposed))
 """
 
 
@@ -158,6 +186,13 @@ _FFI_CALL = """
      "result = lambda: call(x, x.shape, (1, 2, 1), signs_len=32)", "signs must have shape (64,)"),
     ("x = jnp.ones((64, 2, 64), jnp.bfloat16)\n    "
      "result = lambda: call(x, x.shape, (1, 2, 1))", "x must be (batch, seqlen, heads, head_dim)"),
+    ("x = jnp.ones((1, 100, 2, 64), jnp.bfloat16)\n    "
+     "result = lambda: call(x, (1, 2, 64, 128), (1, 2, 2), keys_transposed=True)",
+     "keys_transposed needs one block per head"),
+    ("x = jnp.ones((1, 100, 2, 64), jnp.bfloat16)\n    "
+     "result = lambda: call(x, x.shape, (1, 2, 1), block_size=100, keys_transposed=True)",
+     "keys-transposed values must have shape (batch, heads, head_dim, seqlen rounded up to 32) = "
+     "(1, 2, 64, 128)"),
 ])
 def test_handler_rejects_bad_calls_with_ffi_error(body, expected):
   message = ffi_error_message(_FFI_CALL + "\n    " + body + "\n")

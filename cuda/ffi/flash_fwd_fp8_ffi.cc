@@ -1,6 +1,7 @@
 // XLA FFI handler for the fp8 (e4m3) forward kernel (target "jax_fa3_flash_fwd_fp8").
 // Contract: jax_fa3/fp8.py (module docstring, _kernel_forward). Validates every buffer and
-// attribute (errors name the argument), then runs the V transpose pre-pass and the kernel.
+// attribute (errors name the argument), then runs the V transpose pre-pass (or, when V arrives
+// transposed, only the k scale expansion) and the kernel.
 #include <cmath>
 #include <cstdint>
 
@@ -29,7 +30,8 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
                               ffi::AnyBuffer v_scale, ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::AnyBuffer> lse,
                               ffi::Result<ffi::AnyBuffer> workspace, float softmax_scale,
-                              int32_t window_left, int32_t window_right, int32_t block_size) {
+                              int32_t window_left, int32_t window_right, int32_t block_size,
+                              bool v_transposed) {
   constexpr auto kE4M3 = ffi::DataType::F8E4M3FN;
   constexpr auto kF32 = ffi::DataType::F32;
   const auto qd = q.dimensions();
@@ -45,7 +47,12 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
   const int64_t s_k = kd[1], h_k = kd[2];
   if (kd[0] != b) return invalid("flash_fwd_fp8: k batch must equal q batch ", b, ", got ", kd[0]);
   if (kd[3] != d) return invalid("flash_fwd_fp8: k head dim must equal q head dim ", d, ", got ", kd[3]);
-  if (!dims_are(vd, {kd[0], kd[1], kd[2], kd[3]})) {
+  if (v_transposed && !dims_are(vd, {kd[0], kd[2], kd[3], flash_fwd_fp8_key_pad(kd[1])})) {
+    return invalid("flash_fwd_fp8: v_transposed: v must be (b, h_k, d, s_k rounded up to 32) = (",
+                   kd[0], ", ", kd[2], ", ", kd[3], ", ", flash_fwd_fp8_key_pad(kd[1]), "), got ",
+                   shape_str(vd));
+  }
+  if (!v_transposed && !dims_are(vd, {kd[0], kd[1], kd[2], kd[3]})) {
     return invalid("flash_fwd_fp8: v must have k's shape ", shape_str(kd), ", got ", shape_str(vd));
   }
   if (h_k < 1 || h % h_k != 0) {
@@ -92,11 +99,12 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
     return invalid("flash_fwd_fp8: lse must have shape (b, h, s_q) = (", b, ", ", h, ", ", s_q,
                    "), got ", shape_str(lse->dimensions()));
   }
-  const size_t ws_bytes = flash_fwd_fp8_workspace_bytes(b, h_k, s_k, d);
+  const size_t ws_bytes = flash_fwd_fp8_workspace_bytes(b, h_k, s_k, d, v_transposed);
   if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1 ||
       workspace->size_bytes() < ws_bytes) {
-    return invalid("flash_fwd_fp8: workspace must be a uint8 vector of at least b*h_k*s_pad*(d+4) = ",
-                   ws_bytes, " bytes (s_pad = s_k rounded up to 32), got shape ",
+    return invalid("flash_fwd_fp8: workspace must be a uint8 vector of at least ",
+                   v_transposed ? "b*h_k*s_pad*4" : "b*h_k*s_pad*(d+4)", " = ", ws_bytes,
+                   " bytes (s_pad = s_k rounded up to 32), got shape ",
                    shape_str(workspace->dimensions()));
   }
 
@@ -128,6 +136,7 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
   params.o = out->untyped_data();
   params.lse = static_cast<float*>(lse->untyped_data());
   params.workspace = workspace->untyped_data();
+  params.v_transposed = v_transposed;
   params.b = static_cast<int>(b);
   params.s_q = static_cast<int>(s_q);
   params.s_k = static_cast<int>(s_k);
@@ -163,5 +172,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashFwdFp8, jax_fa3::flash_fwd_fp8_impl,
                                   .Attr<float>("softmax_scale")
                                   .Attr<int32_t>("window_left")
                                   .Attr<int32_t>("window_right")
-                                  .Attr<int32_t>("block_size"),
+                                  .Attr<int32_t>("block_size")
+                                  .Attr<bool>("v_transposed"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -11,7 +11,8 @@ using ffi_util::invalid;
 using ffi_util::shape_str;
 
 ffi::Error rotate_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> signs,
-                                bool rotate, int32_t block_size, ffi::Result<ffi::AnyBuffer> values,
+                                bool rotate, int32_t block_size, bool keys_transposed,
+                                ffi::Result<ffi::AnyBuffer> values,
                                 ffi::Result<ffi::Buffer<ffi::F32>> scales) {
   constexpr const char* kWhat = "rotate_quantize_fp8: ";
   const auto dims = x.dimensions();
@@ -28,8 +29,22 @@ ffi::Error rotate_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buff
     return invalid(kWhat, "x must be float32, bfloat16 or float16");
   }
   if (block_size < 1) return invalid(kWhat, "block_size must be >= 1, got ", block_size);
-  if (values->element_type() != ffi::DataType::F8E4M3FN || values->dimensions().size() != 4 ||
-      values->element_count() != x.element_count()) {
+  if (keys_transposed && block_size < s) {
+    return invalid(kWhat, "keys_transposed needs one block per head (block_size >= seqlen ", s,
+                   "), got block_size ", block_size);
+  }
+  const int64_t s_pad = rotate_quantize_key_pad(s);
+  const auto value_dims = values->dimensions();
+  if (values->element_type() != ffi::DataType::F8E4M3FN || value_dims.size() != 4) {
+    return invalid(kWhat, "values must be a rank-4 float8_e4m3fn array");
+  }
+  if (keys_transposed && (value_dims[0] != b || value_dims[1] != h || value_dims[2] != d ||
+                          value_dims[3] != s_pad)) {
+    return invalid(kWhat, "keys-transposed values must have shape (batch, heads, head_dim, "
+                   "seqlen rounded up to 32) = (", b, ", ", h, ", ", d, ", ", s_pad, "), got ",
+                   shape_str(value_dims));
+  }
+  if (!keys_transposed && values->element_count() != x.element_count()) {
     return invalid(kWhat, "values must be float8_e4m3fn of x's shape ", shape_str(dims));
   }
   const int64_t n_blocks = (s + block_size - 1) / block_size;
@@ -42,7 +57,8 @@ ffi::Error rotate_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buff
   if (rotate && (signs.dimensions().size() != 1 || signs.dimensions()[0] != d)) {
     return invalid(kWhat, "signs must have shape (", d, ",), got ", shape_str(signs.dimensions()));
   }
-  if (const int64_t ctas = rotate_quantize_ctas(b, s, h, block_size); ctas > 0x7fffffff) {
+  if (const int64_t ctas = rotate_quantize_ctas(b, s, h, block_size, keys_transposed);
+      ctas > 0x7fffffff) {
     return invalid(kWhat, "x is too large: ", ctas, " CTAs (batch * heads * token blocks) for a ",
                    "grid limit of 2^31 - 1");
   }
@@ -51,7 +67,7 @@ ffi::Error rotate_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buff
   }
   RotateQuantizeParams params{x.untyped_data(), rotate ? signs.typed_data() : nullptr,
                               values->untyped_data(), scales->typed_data(), b, s, h,
-                              static_cast<int>(d), block_size, *dtype};
+                              static_cast<int>(d), block_size, *dtype, keys_transposed};
   return ffi_util::from_cuda(launch_rotate_quantize(params, stream), "rotate_quantize kernel launch");
 }
 
@@ -65,6 +81,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3RotateQuantizeFp8, jax_fa3::rotate_quantize_
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<bool>("rotate")
                                   .Attr<int32_t>("block_size")
+                                  .Attr<bool>("keys_transposed")
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -9,7 +9,9 @@
 namespace jax_fa3 {
 
 struct FlashFwdFp8Params {
-  // q8 (b, s_q, h, d), k8/v8 (b, s_k, h_k, d) e4m3, contiguous; o (b, s_q, h, d) bf16;
+  // q8 (b, s_q, h, d), k8 (b, s_k, h_k, d) e4m3, contiguous; v8 (b, s_k, h_k, d) e4m3, or with
+  // v_transposed already in the kernel's layout Vt (b, h_k, d, s_pad) (fp8_vt.h: keys permuted
+  // per 32, zero past s_k; the rotate + quantize pass writes it); o (b, s_q, h, d) bf16;
   // lse (b, h, s_q) f32; q_scale (b, h, ceil(s_q / block_size)), k_scale (b, h_k,
   // ceil(s_k / block_size)), v_scale (b, h_k) f32.
   const void* q;
@@ -20,7 +22,8 @@ struct FlashFwdFp8Params {
   const float* v_scale;
   void* o;
   float* lse;
-  void* workspace;  // flash_fwd_fp8_workspace_bytes(b, h_k, s_k, d) bytes, 16-byte aligned
+  void* workspace;  // flash_fwd_fp8_workspace_bytes(b, h_k, s_k, d, v_transposed), 16-byte aligned
+  bool v_transposed;
   int b, s_q, s_k, h, h_k, d;
   int block_size;
   float softmax_scale;
@@ -31,11 +34,12 @@ struct FlashFwdFp8Params {
 // Keys of the transposed V copy: s_k rounded up to whole 32-key permutation groups.
 inline int64_t flash_fwd_fp8_key_pad(int64_t s_k) { return (s_k + 31) / 32 * 32; }
 
-// Workspace: Vt (b, h_k, d, s_pad) e4m3, then the per-key k scales (b, h_k, s_pad) f32.
-// Keep in sync with jax_fa3/fp8.py (_kernel_workspace_bytes).
-inline size_t flash_fwd_fp8_workspace_bytes(int64_t b, int64_t h_k, int64_t s_k, int64_t d) {
+// Workspace: Vt (b, h_k, d, s_pad) e4m3 unless V arrives transposed, then the per-key k scales
+// (b, h_k, s_pad) f32. Keep in sync with jax_fa3/fp8.py (_kernel_workspace_bytes).
+inline size_t flash_fwd_fp8_workspace_bytes(int64_t b, int64_t h_k, int64_t s_k, int64_t d,
+                                            bool v_transposed) {
   const int64_t s_pad = flash_fwd_fp8_key_pad(s_k);
-  return static_cast<size_t>(b * h_k * s_pad * (d + 4));
+  return static_cast<size_t>(b * h_k * s_pad * ((v_transposed ? 0 : d) + 4));
 }
 
 // Head-dim buckets with an fp8 kernel (a head dim runs in the smallest compiled one >= d).

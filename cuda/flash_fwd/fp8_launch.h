@@ -45,22 +45,32 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
 
   const bool no_keys = p.s_k == 0;
   const int s_pad = static_cast<int>(flash_fwd_fp8_key_pad(p.s_k));
-  auto* vt = static_cast<uint8_t*>(p.workspace);
-  auto* k_col = reinterpret_cast<float*>(vt + int64_t(p.b) * p.h_k * p.d * s_pad);
+  const int64_t vt_bytes = p.v_transposed ? 0 : int64_t(p.b) * p.h_k * p.d * s_pad;
+  const auto* vt = p.v_transposed ? static_cast<const uint8_t*>(p.v)
+                                  : static_cast<const uint8_t*>(p.workspace);
+  auto* k_col = reinterpret_cast<float*>(static_cast<uint8_t*>(p.workspace) + vt_bytes);
   int device = 0;
   int num_sms = 0;
   JAX_FA3_RETURN_IF_CUDA_ERROR(cudaGetDevice(&device));
   JAX_FA3_RETURN_IF_CUDA_ERROR(
       cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  if (!no_keys) {
+  const int num_k_blocks = (p.s_k + p.block_size - 1) / p.block_size;
+  if (!no_keys && p.v_transposed) {
+    const int64_t num_columns = int64_t(p.b) * p.h_k * s_pad;
+    const int64_t grid = (num_columns + kKeyColumnThreads - 1) / kKeyColumnThreads;
+    if (grid > INT32_MAX) return cudaErrorInvalidValue;
+    fp8_key_column_scales_kernel<<<static_cast<unsigned>(grid), kKeyColumnThreads, 0, stream>>>(
+        p.k_scale, k_col, p.s_k, s_pad, p.block_size, num_k_blocks, num_columns);
+    JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+  } else if (!no_keys) {
     const int num_key_tiles = (s_pad + kVtTileKeys - 1) / kVtTileKeys;
     const int num_dim_tiles = (p.d + kVtTileDims - 1) / kVtTileDims;
     const int num_tiles = num_key_tiles * num_dim_tiles * p.b * p.h_k;
     const int grid = std::min(num_tiles, kVtCtasPerSm * num_sms);
-    const int num_k_blocks = (p.s_k + p.block_size - 1) / p.block_size;
     fp8_transpose_v_kernel<<<grid, kVtThreads, 0, stream>>>(
-        static_cast<const uint8_t*>(p.v), p.k_scale, vt, k_col, p.s_k, p.h_k, p.d, s_pad,
-        p.block_size, num_k_blocks, num_key_tiles, num_dim_tiles, num_tiles);
+        static_cast<const uint8_t*>(p.v), p.k_scale, static_cast<uint8_t*>(p.workspace), k_col,
+        p.s_k, p.h_k, p.d, s_pad, p.block_size, num_k_blocks, num_key_tiles, num_dim_tiles,
+        num_tiles);
     JAX_FA3_RETURN_IF_LAUNCH_ERROR();
   }
 

@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "flash_fwd/fp8_layout.h"
+#include "flash_fwd/fp8_vt_store.h"
 
 namespace jax_fa3::fwd {
 
@@ -80,43 +80,35 @@ static __global__ void __launch_bounds__(kVtThreads)
     __syncthreads();
     if (i + gridDim.x < num_tiles) load(coord_of(i + gridDim.x), staged);
 
-    // Slot c of group g holds key 32 g + fp8_key_of_slot(c); word w of a dim's row holds slots
-    // 4w..4w+3 (byte e = slot 4w + e).
+    // Thread t stores the 32 key slots of group t / 32 for dims d0 + 4 (t % 32) .. + 3.
     const int group = t / 32;
-    const int quad = t % 32;  // dims d0 + 4 quad .. + 3
+    const int quad = t % 32;
     const int dim = c.d0 + 4 * quad;
     if (dim < d && c.key0 + 32 * group < s_pad) {
-      uint32_t rows[4][8];  // [dim within the quad][word]
-#pragma unroll
-      for (int w = 0; w < 8; ++w) {
-        const uint32_t k0 = tile[32 * group + fp8::fp8_key_of_slot(4 * w + 0)][quad];
-        const uint32_t k1 = tile[32 * group + fp8::fp8_key_of_slot(4 * w + 1)][quad];
-        const uint32_t k2 = tile[32 * group + fp8::fp8_key_of_slot(4 * w + 2)][quad];
-        const uint32_t k3 = tile[32 * group + fp8::fp8_key_of_slot(4 * w + 3)][quad];
-        const uint32_t lo01 = __byte_perm(k0, k1, 0x5140);  // k0.b0 k1.b0 k0.b1 k1.b1
-        const uint32_t lo23 = __byte_perm(k2, k3, 0x5140);
-        const uint32_t hi01 = __byte_perm(k0, k1, 0x7362);  // k0.b2 k1.b2 k0.b3 k1.b3
-        const uint32_t hi23 = __byte_perm(k2, k3, 0x7362);
-        rows[0][w] = __byte_perm(lo01, lo23, 0x5410);  // byte 0 of k0..k3
-        rows[1][w] = __byte_perm(lo01, lo23, 0x7632);
-        rows[2][w] = __byte_perm(hi01, hi23, 0x5410);
-        rows[3][w] = __byte_perm(hi01, hi23, 0x7632);
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        auto* dst = reinterpret_cast<uint4*>(vt + (int64_t(c.bh) * d + dim + j) * s_pad +
-                                             c.key0 + 32 * group);
-        dst[0] = make_uint4(rows[j][0], rows[j][1], rows[j][2], rows[j][3]);
-        dst[1] = make_uint4(rows[j][4], rows[j][5], rows[j][6], rows[j][7]);
-      }
+      fp8_store_vt_group(&tile[32 * group][0], kVtTileDims / 4, quad,
+                         vt + (int64_t(c.bh) * d + dim) * s_pad + c.key0 + 32 * group, s_pad);
     }
     if (c.d0 == 0 && t < kVtTileKeys) {
       const int key = c.key0 + t;
       if (key < s_pad) {
         k_col[int64_t(c.bh) * s_pad + key] =
-            key < s_k ? k_scale[int64_t(c.bh) * num_k_blocks + key / block_size] : 1.f;
+            fp8_key_column_scale(k_scale, c.bh, key, s_k, block_size, num_k_blocks);
       }
     }
+  }
+}
+
+// When V arrives already transposed (the rotate + quantize pass's keys-transposed output), only
+// k_col is written: one thread per (batch * kv head, key slot).
+constexpr int kKeyColumnThreads = 256;
+static __global__ void __launch_bounds__(kKeyColumnThreads)
+    fp8_key_column_scales_kernel(const float* __restrict__ k_scale, float* __restrict__ k_col,
+                                 int s_k, int s_pad, int block_size, int num_k_blocks,
+                                 int64_t num_columns) {
+  const int64_t i = int64_t(blockIdx.x) * kKeyColumnThreads + threadIdx.x;
+  if (i < num_columns) {
+    k_col[i] = fp8_key_column_scale(k_scale, i / s_pad, static_cast<int>(i % s_pad), s_k,
+                                    block_size, num_k_blocks);
   }
 }
 

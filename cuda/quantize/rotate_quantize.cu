@@ -6,6 +6,7 @@
 
 #include "common/cuda_check.h"
 #include "common/float_convert.cuh"
+#include "flash_fwd/fp8_vt_store.h"
 
 namespace jax_fa3 {
 namespace {
@@ -147,7 +148,7 @@ __device__ __forceinline__ void store_quantized(const float (&v)[kPerLane], floa
     packed[i] = e4m3x2(v[4 * i] * inv_scale, v[4 * i + 1] * inv_scale) |
                 (e4m3x2(v[4 * i + 2] * inv_scale, v[4 * i + 3] * inv_scale) << 16);
   }
-  uint4* out = reinterpret_cast<uint4*>(dst);
+  uint4* out = reinterpret_cast<uint4*>(dst);  // global memory, or the shared staging tile
   out[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
   out[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
 }
@@ -283,14 +284,57 @@ rotate_quantize_chunk_kernel(RotateQuantizeParams p, int64_t n_blocks, int64_t c
   quantize_rows<T, kLanesPerRow>(p, sl, rot, p.scales[sl.scale_index]);
 }
 
+// Larger blocks, pass 2, keys-transposed values (RotateQuantizeParams::keys_transposed): the
+// chunk's 128 tokens are quantized into a shared-memory tile (a token's d bytes as d / 4 words,
+// zeros past s), then stored per dim as fp8_store_vt_group lays them out, one 32-key group of 4
+// dims per thread: one 32-byte sector per dim. d <= 256: the tile is at most 32 KB.
+template <typename T, int kLanesPerRow>
+__global__ void __launch_bounds__(LaneMap<kLanesPerRow>::kThreads)
+rotate_quantize_chunk_keys_transposed_kernel(RotateQuantizeParams p, int64_t n_blocks,
+                                             int64_t chunks, int block_pow2, float rotation_scale) {
+  using Map = LaneMap<kLanesPerRow>;
+  constexpr int kTokens = static_cast<int>(kRotateQuantizeChunkTokens);
+  constexpr int kRowWords = kPerLane * kLanesPerRow / 4;  // the launch picks kLanesPerRow = d / 32
+  __shared__ __align__(16) uint32_t tile[kTokens][kRowWords];
+  const Map map = Map::of_thread();
+  const Slice sl = slice_of(p, n_blocks, chunks, kRotateQuantizeChunkTokens, blockIdx.x);
+  const Rotation rot = make_rotation(p, map.lane_in_row, block_pow2, rotation_scale);
+  const T* x = static_cast<const T*>(p.x) + sl.base + kPerLane * map.lane_in_row;
+  const int64_t row_stride = p.h * p.d;
+  const float inv_scale = __frcp_rn(p.scales[sl.scale_index]);
+  for (int r0 = 0; r0 < kTokens; r0 += Map::kRowsPerIter) {
+    const int r = r0 + map.row;
+    const bool valid = map.active && sl.t_begin + r < sl.t_end;
+    float v[kPerLane];
+    load_row<T, kLanesPerRow>(x + (sl.t_begin + r) * row_stride, valid, rot, map.lane_in_row, v);
+    if (map.active && r < kTokens) {
+      store_quantized(v, inv_scale, reinterpret_cast<uint8_t*>(&tile[r][8 * map.lane_in_row]));
+    }
+  }
+  __syncthreads();
+  const int64_t s_pad = rotate_quantize_key_pad(p.s);
+  // One block per head: scale_index = batch * h + head.
+  uint8_t* head_values = static_cast<uint8_t*>(p.values) + sl.scale_index * p.d * s_pad;
+  for (int job = static_cast<int>(threadIdx.x); job < (kTokens / 32) * kRowWords;
+       job += Map::kThreads) {
+    const int group = job / kRowWords;
+    const int word = job % kRowWords;
+    const int64_t key0 = sl.t_begin + 32 * group;
+    if (key0 < s_pad) {
+      fwd::fp8_store_vt_group(&tile[32 * group][0], kRowWords, word,
+                              head_values + int64_t(4 * word) * s_pad + key0, s_pad);
+    }
+  }
+}
+
 template <typename T, int kLanesPerRow>
 cudaError_t launch_shape(const RotateQuantizeParams& p, int64_t n_blocks, cudaStream_t stream) {
   const int block_pow2 = p.d & (-p.d);
   // float32(1/sqrt(block_pow2)) correctly rounded, the constant the pure-JAX transform uses.
   const float rotation_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(block_pow2)));
   const int64_t slices = p.b * p.h * n_blocks;
-  const int64_t chunks = rotate_quantize_chunks(p.block_size);
-  if (chunks == 1) {
+  const int64_t chunks = rotate_quantize_chunks(p.block_size, p.s, p.keys_transposed);
+  if (chunks == 1 && !p.keys_transposed) {
     if (slices > 0x7fffffff) return cudaErrorInvalidValue;
     rotate_quantize_block_kernel<T, kLanesPerRow><<<static_cast<unsigned>(slices), LaneMap<kLanesPerRow>::kThreads, 0, stream>>>(
         p, n_blocks, block_pow2, rotation_scale);
@@ -305,8 +349,13 @@ cudaError_t launch_shape(const RotateQuantizeParams& p, int64_t n_blocks, cudaSt
   JAX_FA3_RETURN_IF_LAUNCH_ERROR();
   rotate_quantize_scale_kernel<<<static_cast<unsigned>((slices + 255) / 256), 256, 0, stream>>>(p.scales, slices);
   JAX_FA3_RETURN_IF_LAUNCH_ERROR();
-  rotate_quantize_chunk_kernel<T, kLanesPerRow><<<static_cast<unsigned>(ctas), LaneMap<kLanesPerRow>::kThreads, 0, stream>>>(
-      p, n_blocks, chunks, block_pow2, rotation_scale);
+  if (p.keys_transposed) {
+    rotate_quantize_chunk_keys_transposed_kernel<T, kLanesPerRow><<<static_cast<unsigned>(ctas), LaneMap<kLanesPerRow>::kThreads, 0, stream>>>(
+        p, n_blocks, chunks, block_pow2, rotation_scale);
+  } else {
+    rotate_quantize_chunk_kernel<T, kLanesPerRow><<<static_cast<unsigned>(ctas), LaneMap<kLanesPerRow>::kThreads, 0, stream>>>(
+        p, n_blocks, chunks, block_pow2, rotation_scale);
+  }
   JAX_FA3_RETURN_IF_LAUNCH_ERROR();
   return cudaSuccess;
 }
@@ -329,7 +378,8 @@ cudaError_t launch_typed(const RotateQuantizeParams& p, int64_t n_blocks, cudaSt
 }  // namespace
 
 cudaError_t launch_rotate_quantize(const RotateQuantizeParams& p, cudaStream_t stream) {
-  if (!rotate_quantize_supports_dim(p.d) || p.block_size < 1 || p.b < 0 || p.s < 0 || p.h < 0) {
+  if (!rotate_quantize_supports_dim(p.d) || p.block_size < 1 || p.b < 0 || p.s < 0 || p.h < 0 ||
+      (p.keys_transposed && p.block_size < p.s)) {
     return cudaErrorInvalidValue;
   }
   if (p.b == 0 || p.s == 0 || p.h == 0) return cudaSuccess;

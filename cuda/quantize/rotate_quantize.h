@@ -18,13 +18,23 @@ namespace jax_fa3 {
 struct RotateQuantizeParams {
   const void* x;        // (b, s, h, d), contiguous, dtype
   const float* signs;   // (d,) ±1 applied before the transform; nullptr: no rotation
-  void* values;         // (b, s, h, d) e4m3
+  void* values;         // (b, s, h, d) e4m3; keys_transposed: (b, h, d, s_pad), see below
   float* scales;        // (b, h, ceil(s / block_size))
   int64_t b, s, h;
   int d;
   int block_size;       // tokens per scale, >= 1
   DType dtype;          // kFloat32, kBFloat16 or kFloat16
+  // Write the values in the fp8 forward's V layout (flash_fwd/fp8_vt.h): (b, h, d, s_pad), s_pad
+  // = s rounded up to 32 (rotate_quantize_key_pad), keys permuted per group of 32
+  // (fp8_layout.h), zero past s. The forward then skips its V pre-pass. Needs one block per
+  // head (block_size >= s): v's quantization.
+  bool keys_transposed;
 };
+
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+inline int64_t rotate_quantize_key_pad(int64_t s) { return (s + 31) / 32 * 32; }
 
 // One warp holds a row in registers, d / 32 elements per lane: d a multiple of 32 up to this.
 constexpr int kRotateQuantizeMaxDim = 256;
@@ -39,16 +49,20 @@ inline bool rotate_quantize_supports_dim(int64_t d) {
 constexpr int64_t kRotateQuantizeMaxCtaBlock = 256;
 constexpr int64_t kRotateQuantizeChunkTokens = 128;
 
-// CTAs per block: 1, or its number of chunks.
-inline int64_t rotate_quantize_chunks(int64_t block_size) {
-  return block_size <= kRotateQuantizeMaxCtaBlock
+// CTAs per block: 1, or its number of chunks. The keys-transposed mode always goes through the
+// chunks (its stores transpose one chunk at a time).
+inline int64_t rotate_quantize_chunks(int64_t block_size, int64_t s, bool keys_transposed) {
+  const int64_t tokens = block_size < s ? block_size : s;
+  return block_size <= kRotateQuantizeMaxCtaBlock && !keys_transposed
              ? 1
-             : (block_size + kRotateQuantizeChunkTokens - 1) / kRotateQuantizeChunkTokens;
+             : (tokens + kRotateQuantizeChunkTokens - 1) / kRotateQuantizeChunkTokens;
 }
 
 // CTAs of the largest launch (must stay below 2^31).
-inline int64_t rotate_quantize_ctas(int64_t b, int64_t s, int64_t h, int64_t block_size) {
-  return b * h * ((s + block_size - 1) / block_size) * rotate_quantize_chunks(block_size);
+inline int64_t rotate_quantize_ctas(int64_t b, int64_t s, int64_t h, int64_t block_size,
+                                    bool keys_transposed) {
+  return b * h * ((s + block_size - 1) / block_size) *
+         rotate_quantize_chunks(block_size, s, keys_transposed);
 }
 
 cudaError_t launch_rotate_quantize(const RotateQuantizeParams& params, cudaStream_t stream);
