@@ -217,6 +217,7 @@ def _fused_rotate_quantize(rotate: bool, block_size: int | None, keys_transposed
   (b, h, d, s_pad), see `_keys_transposed`.
   """
   assert not keys_transposed or block_size is None
+  _ffi.ensure_registered()
 
   @jax.custom_batching.custom_vmap
   def call(x, signs32):
@@ -431,6 +432,7 @@ def _kernel_workspace_bytes(b, h_k, s_k, d, v_transposed=False) -> int:
 
 def _kernel_forward(cfg: Fp8Config, v_transposed: bool = False):
   """The kernel call; v_transposed: v is already in its layout (b, h_k, d, s_pad)."""
+  _ffi.ensure_registered()
   att = cfg.attention
 
   def call(q8, k8, v8, q_scale, k_scale, v_scale):

@@ -18,9 +18,11 @@ namespace {
 constexpr int kPerLane = 32;
 constexpr float kInvE4m3Max = 1.f / 448.f;  // float32(1/448), as jax_fa3/fp8.py multiplies
 
-// max that propagates NaN like jnp.max (fmaxf would drop it): a block with a NaN gets amax NaN,
-// hence scale 1.0, exactly as the XLA path computes it.
-__device__ __forceinline__ float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
+// Amaxes are taken on bits: for magnitudes (sign bit clear) the unsigned order of the bits is
+// the float order, and NaN's bits lie above +inf's, so an integer max propagates NaN like jnp.max
+// (fmaxf would drop it): a block with a NaN gets amax NaN, hence scale 1.0, exactly as the XLA
+// path computes it. One LOP3 + IMNMX per element instead of a NaN-aware float compare chain.
+__device__ __forceinline__ uint32_t magnitude_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
 
 __device__ __forceinline__ float scale_from_amax(float amax) {
   return amax > 0.f ? fmaxf(amax * kInvE4m3Max, FLT_MIN) : 1.f;
@@ -36,12 +38,13 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
 // Where this lane's 32 elements live: row `row_in_warp` of the warp's rows, elements
 // [32 * lane_in_row, 32 * lane_in_row + 32) of it. Lanes past the last whole row idle (d = 96,
 // 160, 192, 224) but still take part in the shuffles.
-// 8 warps per CTA: one pass covers a 64-token block at d = 64 and 128, quantized straight from
-// registers (d=256 takes two; 16 warps to cover it in one measured slower on the H200: 106 vs
-// 96 µs for 16k tokens x 2048).
+// One pass of a CTA covers a 64-token block (quantized straight from registers) at d <= 128:
+// 2 warps at d = 32, 4 at d = 64 (8 left half the CTA idle on 64-token blocks: q rotated at 16k
+// tokens x 2048 took 79 µs, 52 with 4, H200, thirteenth session), 8 from d = 96 on. d=256 takes
+// two passes (16 warps to cover it in one measured slower on the H200: 106 vs 96 µs).
 template <int kLanesPerRow>
 struct LaneMap {
-  static constexpr int kWarps = 8;
+  static constexpr int kWarps = kLanesPerRow <= 2 ? 2 * kLanesPerRow : 8;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kRowsPerWarp = 32 / kLanesPerRow;
   static constexpr int kRowsPerIter = kWarps * kRowsPerWarp;
@@ -87,7 +90,7 @@ __device__ __forceinline__ void load_row(const T* __restrict__ src, bool valid, 
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) {
     // Exactly x * -1 where the sign is negative.
-    v[e] = __uint_as_float(__float_as_uint(v[e]) ^ (((rot.negative >> e) & 1u) << 31));
+    v[e] = __uint_as_float(__float_as_uint(v[e]) ^ ((rot.negative << (31 - e)) & 0x80000000u));
   }
 #pragma unroll
   for (int h = 1; h < kPerLane; h <<= 1) {
@@ -124,17 +127,19 @@ struct Slice {
 };
 
 __device__ __forceinline__ float lane_amax(float amax, const float (&v)[kPerLane]) {
+  uint32_t bits = magnitude_bits(amax);
 #pragma unroll
-  for (int e = 0; e < kPerLane; ++e) amax = nan_max(amax, fabsf(v[e]));
-  return amax;
+  for (int e = 0; e < kPerLane; ++e) bits = max(bits, magnitude_bits(v[e]));
+  return __uint_as_float(bits);
 }
 
 __device__ __forceinline__ float warp_amax(float amax) {
+  uint32_t bits = magnitude_bits(amax);
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
-    amax = nan_max(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, offset));
   }
-  return amax;
+  return __uint_as_float(bits);
 }
 
 // x * (1 / scale) with the reciprocal correctly rounded (__frcp_rn is exact IEEE even under
@@ -205,10 +210,10 @@ __device__ __forceinline__ float cta_amax(float warp_amax_value) {
   __shared__ float amax_of_warp[kWarps];
   if (threadIdx.x % 32 == 0) amax_of_warp[threadIdx.x / 32] = warp_amax_value;
   __syncthreads();
-  float amax = amax_of_warp[0];
+  uint32_t bits = magnitude_bits(amax_of_warp[0]);
 #pragma unroll
-  for (int w = 1; w < kWarps; ++w) amax = nan_max(amax, amax_of_warp[w]);
-  return amax;
+  for (int w = 1; w < kWarps; ++w) bits = max(bits, magnitude_bits(amax_of_warp[w]));
+  return __uint_as_float(bits);
 }
 
 // Slice of CTA `cta` when each block is cut into `chunks` pieces of `chunk_tokens`.
@@ -228,8 +233,12 @@ __device__ __forceinline__ Slice slice_of(const RotateQuantizeParams& p, int64_t
 // Blocks of <= kRotateQuantizeMaxCtaBlock tokens: one CTA per (batch, head, block). A block
 // that one pass of the CTA covers (64 tokens at d = 64, 128) is loaded once and quantized from
 // registers; longer ones are read twice (the second time from L2).
+// Three CTAs per SM (at most 85 registers: 20 bytes spilled at d = 64-256, up to 44 at d = 96,
+// 160-224), where 92 registers allowed two: the pass waits on memory, and 24 warps hide more of it
+// than 16. q rotated at 16k tokens, H200 (thirteenth session, benchmarks/RESULTS.md): 52 vs 64 µs
+// at d = 128, 79 vs 88 at d = 256.
 template <typename T, int kLanesPerRow>
-__global__ void __launch_bounds__(LaneMap<kLanesPerRow>::kThreads)
+__global__ void __launch_bounds__(LaneMap<kLanesPerRow>::kThreads, 3)
 rotate_quantize_block_kernel(RotateQuantizeParams p, int64_t n_blocks, int block_pow2,
                              float rotation_scale) {
   using Map = LaneMap<kLanesPerRow>;
