@@ -3,7 +3,7 @@
 // (the memory-bound floor). Build (from the repo root):
 //   nvcc -std=c++17 -O3 -arch=sm_90a --use_fast_math -I cuda \
 //     cuda/quantize/tools/rotate_quantize_timing.cu -o rq_timing
-// Run: rq_timing b s h d  (bf16 input; prints q/k rotated per 64-token block, v per head as is and
+// Run: rq_timing b s h d [quick]  (bf16 input; prints q/k rotated per 64-token block, v per head as is and
 // in the fp8 kernel's V layout, and the cast floor; µs and GB/s of the minimum traffic, 3 bytes
 // per element; then a host check of the v cases, "FAILED" if it does not hold).
 #include <cuda_bf16.h>
@@ -66,16 +66,20 @@ int main(int argc, char** argv) {
   cudaEvent_t start, stop;
   CHECK(cudaEventCreate(&start));
   CHECK(cudaEventCreate(&stop));
+  // A 5th argument "1" (quick): one launch per case, for compute-sanitizer (its timing means
+  // nothing then).
+  const bool quick = argc > 5 && std::atoi(argv[5]) != 0;
   auto time_us = [&](auto&& launch) {
     std::vector<float> per_launch;
-    for (int rep = 0; rep < 12; ++rep) {
+    for (int rep = 0; rep < (quick ? 3 : 12); ++rep) {
       CHECK(cudaEventRecord(start));
-      for (int i = 0; i < 20; ++i) launch();
+      const int launches = quick ? 1 : 20;
+      for (int i = 0; i < launches; ++i) launch();
       CHECK(cudaEventRecord(stop));
       CHECK(cudaEventSynchronize(stop));
       float ms = 0.f;
       CHECK(cudaEventElapsedTime(&ms, start, stop));
-      if (rep > 1) per_launch.push_back(ms * 1e3f / 20);
+      if (rep > 1) per_launch.push_back(ms * 1e3f / launches);
     }
     std::sort(per_launch.begin(), per_launch.end());
     return per_launch[per_launch.size() / 2];
