@@ -22,7 +22,9 @@ constexpr float kInvE4m3Max = 1.f / 448.f;  // float32(1/448), as jax_fa3/fp8.py
 // the float order, and NaN's bits lie above +inf's, so an integer max propagates NaN like jnp.max
 // (fmaxf would drop it): a block with a NaN gets amax NaN, hence scale 1.0, exactly as the XLA
 // path computes it. One LOP3 + IMNMX per element instead of a NaN-aware float compare chain.
-__device__ __forceinline__ uint32_t magnitude_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+__device__ __forceinline__ uint32_t magnitude_bits(float x) {
+  return __float_as_uint(x) & 0x7fffffffu;
+}
 
 __device__ __forceinline__ float scale_from_amax(float amax) {
   return amax > 0.f ? fmaxf(amax * kInvE4m3Max, FLT_MIN) : 1.f;
