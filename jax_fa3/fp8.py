@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_fa3 import _ffi, _ops
+from jax_fa3 import _ffi, _ops, sharding
 from jax_fa3._batching import fold_vmap_into_batch
 from jax_fa3._config import AttentionConfig
 from jax_fa3._validation import (attention_config, check_array, check_attention_dtypes,
@@ -100,6 +100,15 @@ class Fp8Config:
   # pre-pass inside the kernel call). False: quantize v as is and let the kernel transpose it
   # (what pre-quantized inputs get); benchmarks time both.
   transpose_v_in_quantize: bool = True
+
+  # The attention options the partitioner's plan reads (jax_fa3.sharding.plan_partition).
+  @property
+  def window_left(self) -> int:
+    return self.attention.window_left
+
+  @property
+  def window_right(self) -> int:
+    return self.attention.window_right
 
 
 # ---------------------------------------------------------------------------------------------
@@ -533,12 +542,28 @@ def _kernel_from_float_jit(q, k, v, signs, cfg: Fp8Config):
                                 default=functools.partial(_float_path, cfg=cfg))
 
 
-def _fp8_from_float(q, k, v, signs, cfg: Fp8Config):
+def _fp8_from_float_local(q, k, v, signs, cfg: Fp8Config):
+  """The call from floats on one device's blocks (the partitioned op's local body)."""
   if _v_transposed_by_quantize(v, cfg):
     out, lse = _kernel_from_float_jit(q, k, v, signs, dataclasses.replace(cfg, return_lse=False))
   else:
     out, lse = _float_path(q, k, v, signs, cfg)
   return out.astype(q.dtype), lse
+
+
+# The call from floats as one partitioned op (jax_fa3.sharding): under a sharded jit its CUDA
+# passes would otherwise be opaque to XLA (operands all-gathered), and the pure-JAX path's
+# reshapes do not type-check on Explicit meshes. Batch and heads stay sharded (scales are per
+# (batch, head, block), so each shard quantizes exactly as the whole would); a sequence split
+# is gathered (blocks of tokens share a scale, and v's scale spans the whole sequence).
+FP8_FORWARD = sharding.AttentionOp("flash_fwd_fp8", ("q", "kv", "kv", "vec"), ("q", "row"),
+                                   _fp8_from_float_local, split_queries=False)
+
+
+def _fp8_from_float(q, k, v, signs, cfg: Fp8Config):
+  out, lse = sharding.call_partitioned(FP8_FORWARD, (q, k, v, signs),
+                                       dataclasses.replace(cfg, return_lse=False))
+  return out, lse
 
 
 # ---------------------------------------------------------------------------------------------
@@ -643,6 +668,10 @@ def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_siz
 
   Gradients are straight-through: the backward is that of `flash_attention` (bf16/fp16/fp32) at
   the unquantized, unrotated inputs — it recomputes their forward, then runs its backward.
+
+  Under a sharded jit (Auto or Explicit meshes) batch and head shards run locally and give the
+  unsharded result bit for bit; a sequence split is gathered first (quantization blocks and v's
+  per-head scale span the sequence). Inside shard_map / pmap it runs per device as is.
   """
   pairs = [_is_pair(x) for x in (q, k, v)]
   causal = check_bool("causal", causal)

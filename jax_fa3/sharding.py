@@ -49,6 +49,7 @@ LAYOUTS = {
     "kv": ("b", "k", "n", "d"),   # (batch, seqlen_k, heads_k, head_dim): k, v, dk, dv
     "row": ("b", "h", "q"),       # (batch, heads, seqlen_q): lse, dlse
     "kvhead": ("b", "n"),         # (batch, heads_k): per-(batch, kv head) scales (fp8)
+    "vec": ("d",),                # (head_dim,): the fp8 rotation's signs (replicated)
 }
 
 
@@ -65,6 +66,10 @@ class AttentionOp:
   results: tuple
   local: Callable
   ring: Callable | None = None
+  # Whether the gathering fallback may keep queries split along the sequence (unmasked calls).
+  # False for ops whose numerics depend on where the sequence is cut (fp8: blocks of tokens
+  # share a quantization scale): they gather the sequence instead.
+  split_queries: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +139,7 @@ def plan_partition(op: AttentionOp, shapes, specs, axis_sizes, cfg: AttentionCon
       and _ring.ring_supported(cfg, s_q, s_k) is None):
     return Plan(batch, heads, seq_q, seq_k, ring_axes=seq_q, kv_heads=kv_heads)
   # Fallback: gather k/v; queries stay split only when no mask depends on their position.
-  unmasked = cfg.window_left < 0 and cfg.window_right < 0
+  unmasked = op.split_queries and cfg.window_left < 0 and cfg.window_right < 0
   seq_q = _divisible_prefix(seq_q, axis_sizes, s_q) if unmasked else ()
   return Plan(batch, heads, seq_q, (), kv_heads=kv_heads)
 
@@ -231,9 +236,13 @@ def _custom_partitioned(op: AttentionOp, group: int, kv_heads: int):
 
 
 @functools.lru_cache(maxsize=None)
-def _vmappable(op: AttentionOp, group: int, kv_heads: int, cfg: AttentionConfig):
+def _vmappable(op: AttentionOp, group: int, kv_heads: int, cfg):
   jitted = _custom_partitioned(op, group, kv_heads)
-  return fold_vmap_into_batch(lambda *arrays: jitted(*arrays, cfg))
+  has_batch = tuple(LAYOUTS[l][0] == "b" for l in op.operands)
+  # A vmap over a batch-less operand (fp8: per-lane rotation signs) runs the local body under
+  # vmap, unpartitioned: the lanes cannot share one call.
+  return fold_vmap_into_batch(lambda *arrays: jitted(*arrays, cfg), has_batch=has_batch,
+                              unfolded=lambda *arrays: tuple(op.local(*arrays, cfg)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -150,6 +150,57 @@ def test_vmap_composes_with_the_partitioning_rules():
   assert all(n == 0 for n in collectives(hlo).values()), collectives(hlo)
 
 
+def fp8_fwd_bwd(q, k, v, ct):
+  """flash_attention_fp8 (emulated here: same partitioned op as the kernel path) and its
+  straight-through gradients."""
+  fn = lambda q, k, v: jax_fa3.flash_attention_fp8(q, k, v, causal=True, key=jax.random.key(3))
+  out, vjp = jax.vjp(fn, q, k, v)
+  return (out,) + vjp(ct)
+
+
+@pytest.mark.parametrize("kind", MESH_KINDS)
+def test_fp8_batch_and_head_sharding_run_locally(kind):
+  """Scales are per (batch, head, block of tokens) and v's per (batch, kv head), so a batch or
+  head shard quantizes exactly as the whole: the output is the one-device output bit for bit,
+  with no collective (before the op was partitioned, Explicit meshes failed to type-check the
+  pure-JAX path, and on the GPU its CUDA passes were opaque to XLA)."""
+  mesh = make_mesh((2, 2, 2), ("data", "model", "other"), kind)
+  args = qkv(s=96, d=32)
+  spec = P("data", None, "model", None)
+  got, hlo = run_sharded(fp8_fwd_bwd, mesh, [spec] * 4, *args)
+  want = on_one_device(fp8_fwd_bwd, *args)
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  assert_close(got[1:], want[1:])
+  assert all(n == 0 for n in collectives(hlo).values()), collectives(hlo)
+  assert tuple(got[0].sharding.spec)[:3] == ("data", None, "model")
+
+
+def test_fp8_sequence_sharding_gathers_and_is_exact():
+  """A sequence split would move the quantization blocks (and v's scale spans the sequence): the
+  fp8 op gathers the sequence instead; the output is the one-device output bit for bit."""
+  mesh = make_mesh((2, 4), ("data", "seq"), "auto")
+  args = qkv(s=128, d=32)
+  got, hlo = run_sharded(fp8_fwd_bwd, mesh, [P("data", "seq")] * 4, *args)
+  want = on_one_device(fp8_fwd_bwd, *args)
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+  assert_close(got[1:], want[1:])
+  assert collectives(hlo)["all-gather"] > 0
+
+
+def test_fp8_vmap_over_rotation_keys_under_a_mesh():
+  """Per-lane signs cannot be folded into the batch: the lanes run the local op under vmap."""
+  mesh = make_mesh((2, 4), ("data", "model"), "auto")
+  q, k, v, _ = qkv(h=8, h_k=4, d=32)
+  keys = jax.random.split(jax.random.key(0), 2)
+  fn = lambda q, k, v: jax.vmap(
+      lambda key: jax_fa3.flash_attention_fp8(q, k, v, key=key))(keys)
+  (out,), _ = run_sharded(lambda *a: (fn(*a),), mesh, [P("data", None, "model")] * 3, q, k, v)
+  for i in range(2):
+    lane = on_one_device(lambda q, k, v: jax_fa3.flash_attention_fp8(q, k, v, key=keys[i]),
+                         q, k, v)
+    np.testing.assert_array_equal(np.asarray(out[i]), np.asarray(lane))
+
+
 @pytest.mark.skipif(not hasattr(jax.config, "jax_use_shardy_partitioner"),
                     reason="no Shardy switch in this JAX")
 def test_gspmd_partitioner_callbacks():
