@@ -39,7 +39,11 @@ def main(argv=None) -> None:
   for causal in (False, True):
     for b, s, h, d in shapes:
       key, sub = jax.random.split(key)
-      for peer in _bench.peers(causal, on_gpu):
+      # The fp8 call from bf16 (rotation, quantization and kernel; its error is the fp8 one,
+      # ~5e-2 relative) beside the exact peers.
+      fp8 = _bench.Peer("jax_fa3_fp8", lambda q, k, v, c=causal: jax_fa3.flash_attention_fp8(
+          q, k, v, causal=c))
+      for peer in _bench.peers(causal, on_gpu) + [fp8]:
         q, k, v = _bench.random_qkv(sub, b, s, h, d, peer.dtype or dtype)
         fn = jax.jit(peer.forward)
         try:

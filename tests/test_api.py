@@ -158,3 +158,21 @@ def test_backward_workspace_formula(b, h, s_q, d, deterministic, expected):
   if _ffi._extension()[0] is None:
     pytest.skip(f"CUDA extension not built: {_ffi._extension()[1]}")
   assert _ffi.flash_bwd_workspace_bytes(b, h, s_q, d, deterministic) == expected
+
+
+def test_main_job_runs_every_peer_and_says_which_path(capsys):
+  """`python -m jax_fa3` (the README's main job): without a Hopper GPU it runs the pure-JAX path
+  and says so; every peer, the fp8 call included, reports an error and a time."""
+  from jax_fa3.__main__ import main  # noqa: PLC0415
+  main([])
+  out = capsys.readouterr().out
+  if jax_fa3.kernels_available():
+    pytest.skip("kernels built: the GPU run of the main job is a benchmark, not a test")
+  assert "pure-JAX reference path" in out and "No GPU" in out
+  rows = [line for line in out.splitlines() if line.strip().startswith(("True", "False"))]
+  assert len(rows) == 2 * 2 * 3, out  # causal x shapes x peers
+  assert {line.split("|")[1].split()[0] for line in rows} == {"jax_fa3", "xla", "jax_fa3_fp8"}
+  assert not any("failed" in line for line in rows), out
+  for line in rows:
+    err = float(line.split("|")[1].split()[1])
+    assert err < (0.1 if "fp8" in line else 1e-2), line
