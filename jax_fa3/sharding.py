@@ -26,6 +26,10 @@ attention op (forward, backward; any op whose operands and results are (b, s, h,
   plan differs from their type).
 - Inside `shard_map`/`pmap` (all mesh axes manual) and on one device the op runs as is.
 
+The fp8 call from floats (`jax_fa3.fp8.FP8_FORWARD`, operands q, k, v and the rotation's signs)
+uses the same rules with `split_queries=False`: batch and heads stay local, a sequence split is
+gathered (its quantization blocks and v's per-head scale span the sequence).
+
 vmap composes: the partitioned op is wrapped in `_batching.fold_vmap_into_batch`.
 """
 from __future__ import annotations
