@@ -235,8 +235,9 @@ __device__ __forceinline__ Slice slice_of(const RotateQuantizeParams& p, int64_t
 // Blocks of <= kRotateQuantizeMaxCtaBlock tokens: one CTA per (batch, head, block). A block
 // that one pass of the CTA covers (64 tokens at d = 64, 128) is loaded once and quantized from
 // registers; longer ones are read twice (the second time from L2).
-// Three CTAs per SM (at most 85 registers: 20 bytes spilled at d = 64-256, up to 44 at d = 96,
-// 160-224), where 92 registers allowed two: the pass waits on memory, and 24 warps hide more of it
+// Three CTAs per SM (at most 85 registers: 20 bytes spilled at d = 128 and 256, up to 44 at
+// d = 96, 160-224, none at d = 32, 64; tests/test_sass.py pins them), where 92 registers allowed
+// two: the pass waits on memory, and 24 warps hide more of it
 // than 16. q rotated at 16k tokens, H200 (thirteenth session, benchmarks/RESULTS.md): 52 vs 64 µs
 // at d = 128, 79 vs 88 at d = 256.
 template <typename T, int kLanesPerRow>
