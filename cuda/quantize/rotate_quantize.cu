@@ -237,9 +237,8 @@ __device__ __forceinline__ Slice slice_of(const RotateQuantizeParams& p, int64_t
 // registers; longer ones are read twice (the second time from L2).
 // Three CTAs per SM (at most 85 registers: 20 bytes spilled at d = 128 and 256, up to 44 at
 // d = 96, 160-224, none at d = 32, 64; tests/test_sass.py pins them), where 92 registers allowed
-// two: the pass waits on memory, and 24 warps hide more of it
-// than 16. q rotated at 16k tokens, H200 (thirteenth session, benchmarks/RESULTS.md): 52 vs 64 µs
-// at d = 128, 79 vs 88 at d = 256.
+// two: the pass waits on memory, and 24 warps hide more of it than 16. q rotated at 16k tokens,
+// H200 (thirteenth session, benchmarks/RESULTS.md): 52 vs 64 µs at d = 128, 79 vs 88 at d = 256.
 template <typename T, int kLanesPerRow>
 __global__ void __launch_bounds__(LaneMap<kLanesPerRow>::kThreads, 3)
 rotate_quantize_block_kernel(RotateQuantizeParams p, int64_t n_blocks, int block_pow2,
