@@ -3,6 +3,7 @@
 Runs on the CPU through the pure-JAX emulation of the fp8 kernel.
 """
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -333,3 +334,40 @@ def test_quantize_bad_inputs():
 
 def test_reports_emulation_path():
   assert fp8._kernel_unavailable_reason() is not None or jax_fa3.kernels_available()
+
+
+def test_gpu_program_lowers_on_cpu(monkeypatch):
+  """The program a Hopper GPU would run, lowered here for platform CUDA (jax.export; nothing
+  runs): q and k through the fused rotate + quantize pass, v quantized straight into the kernel's
+  V layout (b, h_k, d, s_pad), the kernel told so, with a workspace of only the per-key k scales;
+  and vmap folds into one such program. The kernels' presence is faked for the trace."""
+  from jax_fa3 import _ffi  # noqa: PLC0415
+  monkeypatch.setattr(_ffi, "kernels_available", lambda: True)
+  monkeypatch.setattr(_ffi, "has_target", lambda name: True)
+  monkeypatch.setattr(_ffi, "ensure_registered", lambda: None)
+  monkeypatch.setattr(_ffi, "build_config", lambda: {"head_dims": ("64", "128", "256")})
+  checks = [jax.export.DisabledSafetyCheck.custom_call(t)
+            for t in (fp8.ROTATE_QUANTIZE_TARGET, fp8.KERNEL_TARGET)]
+  q = jnp.ones((2, 300, 4, 128), jnp.bfloat16)
+  kv = jnp.ones((2, 300, 2, 128), jnp.bfloat16)
+
+  def lowered(fn, *args):
+    return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
+        *args).mlir_module()
+
+  text = lowered(lambda q, k, v: flash_attention_fp8(q, k, v, causal=True), q, kv, kv)
+  calls = re.findall(r"custom_call @(\w+)\(.*?\{.*?mhlo.backend_config = \{(.*?)\}.*?-> \((.*?)\)",
+                     text)
+  quantize = [c for c in calls if c[0] == fp8.ROTATE_QUANTIZE_TARGET]
+  kernel = [c for c in calls if c[0] == fp8.KERNEL_TARGET]
+  assert len(quantize) == 3 and len(kernel) == 1, calls
+  assert sum("keys_transposed = true" in c[1] for c in quantize) == 1
+  v_layout = next(c for c in quantize if "keys_transposed = true" in c[1])
+  assert "tensor<2x2x128x320xf8E4M3FN>" in v_layout[2]  # (b, h_k, d, s_pad)
+  assert "v_transposed = true" in kernel[0][1] and "window_right = 0" in kernel[0][1]
+  assert f"tensor<{2 * 2 * 320 * 4}xui8>" in kernel[0][2]  # workspace: k scales per key only
+
+  stack = lambda x: jnp.stack([x, x, x])
+  text = lowered(jax.vmap(lambda q, k, v: flash_attention_fp8(q, k, v)), *map(stack, (q, kv, kv)))
+  assert text.count(f"@{fp8.KERNEL_TARGET}(") == 1
+  assert "tensor<6x300x4x128xbf16>" in text  # the vmapped axis folded into the batch
