@@ -1,6 +1,7 @@
 // XLA FFI handler for the fused rotate + quantize pass of jax_fa3.fp8 (quantize/rotate_quantize.h).
 #include "ffi/ffi_common.h"
 #include "ffi/handlers.h"
+#include "flash_fwd/flash_fwd_fp8.h"
 #include "quantize/rotate_quantize.h"
 
 namespace jax_fa3 {
@@ -33,7 +34,7 @@ ffi::Error rotate_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buff
     return invalid(kWhat, "keys_transposed needs one block per head (block_size >= seqlen ", s,
                    "), got block_size ", block_size);
   }
-  const int64_t s_pad = rotate_quantize_key_pad(s);
+  const int64_t s_pad = flash_fwd_fp8_key_pad(s);
   const auto value_dims = values->dimensions();
   if (values->element_type() != ffi::DataType::F8E4M3FN || value_dims.size() != 4) {
     return invalid(kWhat, "values must be a rank-4 float8_e4m3fn array");

@@ -31,7 +31,11 @@ struct FlashFwdFp8Params {
   int window_right;  // -1 = unbounded; causal arrives as 0
 };
 
-// Keys of the transposed V copy: s_k rounded up to whole 32-key permutation groups.
+// Keys of the transposed V copy: s_k rounded up to whole 32-key permutation groups. Also called
+// on the device by its other writer, the rotate + quantize pass's keys-transposed mode.
+#ifdef __CUDACC__
+__host__ __device__
+#endif
 inline int64_t flash_fwd_fp8_key_pad(int64_t s_k) { return (s_k + 31) / 32 * 32; }
 
 // Workspace: Vt (b, h_k, d, s_pad) e4m3 unless V arrives transposed, then the per-key k scales

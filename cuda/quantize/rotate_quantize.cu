@@ -6,6 +6,7 @@
 
 #include "common/cuda_check.h"
 #include "common/float_convert.cuh"
+#include "flash_fwd/flash_fwd_fp8.h"
 #include "flash_fwd/fp8_vt_store.h"
 
 namespace jax_fa3 {
@@ -323,7 +324,7 @@ rotate_quantize_chunk_keys_transposed_kernel(RotateQuantizeParams p, int64_t n_b
     }
   }
   __syncthreads();
-  const int64_t s_pad = rotate_quantize_key_pad(p.s);
+  const int64_t s_pad = flash_fwd_fp8_key_pad(p.s);
   // One block per head: scale_index = batch * h + head.
   uint8_t* head_values = static_cast<uint8_t*>(p.values) + sl.scale_index * p.d * s_pad;
   for (int job = static_cast<int>(threadIdx.x); job < (kTokens / 32) * kRowWords;

@@ -25,16 +25,11 @@ struct RotateQuantizeParams {
   int block_size;       // tokens per scale, >= 1
   DType dtype;          // kFloat32, kBFloat16 or kFloat16
   // Write the values in the fp8 forward's V layout (flash_fwd/fp8_vt.h): (b, h, d, s_pad), s_pad
-  // = s rounded up to 32 (rotate_quantize_key_pad), keys permuted per group of 32
+  // = s rounded up to 32 (flash_fwd_fp8_key_pad), keys permuted per group of 32
   // (fp8_layout.h), zero past s. The forward then skips its V pre-pass. Needs one block per
   // head (block_size >= s): v's quantization.
   bool keys_transposed;
 };
-
-#ifdef __CUDACC__
-__host__ __device__
-#endif
-inline int64_t rotate_quantize_key_pad(int64_t s) { return (s + 31) / 32 * 32; }
 
 // One warp holds a row in registers, d / 32 elements per lane: d a multiple of 32 up to this.
 constexpr int kRotateQuantizeMaxDim = 256;

@@ -58,7 +58,7 @@ int main(int argc, char** argv) {
   void *x, *values;
   float *signs, *scales;
   CHECK(cudaMalloc(&x, n * 2));
-  CHECK(cudaMalloc(&values, b * h * d * jax_fa3::rotate_quantize_key_pad(s)));
+  CHECK(cudaMalloc(&values, b * h * d * jax_fa3::flash_fwd_fp8_key_pad(s)));
   CHECK(cudaMalloc(&signs, d * 4));
   CHECK(cudaMalloc(&scales, b * h * ((s + 63) / 64) * 4));
   CHECK(cudaMemcpy(x, hx.data(), n * 2, cudaMemcpyHostToDevice));
@@ -119,7 +119,7 @@ int main(int argc, char** argv) {
       }
       return;
     }
-    const int64_t s_pad = jax_fa3::rotate_quantize_key_pad(s);
+    const int64_t s_pad = jax_fa3::flash_fwd_fp8_key_pad(s);
     std::vector<uint8_t> vt(b * h * d * s_pad);
     CHECK(cudaMemcpy(vt.data(), values, vt.size(), cudaMemcpyDeviceToHost));
     for (int64_t i = 0; i < int64_t(vt.size()); ++i) {
