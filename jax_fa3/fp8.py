@@ -520,13 +520,20 @@ def _v_transposed_by_quantize(v, cfg: Fp8Config) -> bool:
           and _fused_quantize_supported(v, None))
 
 
+def _quantize_v_kernel_layout(v):
+  """(vt, v_scale (b, h_k)): v quantized (one scale per head, no rotation) by the CUDA pass
+  straight into the fp8 kernel's V layout (b, h_k, d, s_pad); GPU only."""
+  vt, v_scale = _fused_rotate_quantize(False, None, keys_transposed=True)(
+      v, jnp.ones(v.shape[-1:], jnp.float32))
+  return vt, v_scale[..., 0]
+
+
 def _kernel_from_float(q, k, v, signs, cfg: Fp8Config):
   """The GPU branch: q, k quantized as everywhere, v straight into the kernel's layout."""
   q8, q_scale = _rotate_quantize(q, signs, cfg.incoherent, cfg.block_size)
   k8, k_scale = _rotate_quantize(k, signs, cfg.incoherent, cfg.block_size)
-  vt, v_scale = _fused_rotate_quantize(False, None, keys_transposed=True)(
-      v, jnp.ones(v.shape[-1:], jnp.float32))
-  return _kernel_forward(cfg, v_transposed=True)(q8, k8, vt, q_scale, k_scale, v_scale[..., 0])
+  vt, v_scale = _quantize_v_kernel_layout(v)
+  return _kernel_forward(cfg, v_transposed=True)(q8, k8, vt, q_scale, k_scale, v_scale)
 
 
 def _float_path(q, k, v, signs, cfg: Fp8Config):
@@ -543,9 +550,10 @@ def _kernel_from_float_jit(q, k, v, signs, cfg: Fp8Config):
 
 
 def _fp8_from_float_local(q, k, v, signs, cfg: Fp8Config):
-  """The call from floats on one device's blocks (the partitioned op's local body)."""
+  """The call from floats on one device's blocks (the partitioned op's local body; cfg arrives
+  with return_lse off, see _fp8_from_float)."""
   if _v_transposed_by_quantize(v, cfg):
-    out, lse = _kernel_from_float_jit(q, k, v, signs, dataclasses.replace(cfg, return_lse=False))
+    out, lse = _kernel_from_float_jit(q, k, v, signs, cfg)
   else:
     out, lse = _float_path(q, k, v, signs, cfg)
   return out.astype(q.dtype), lse
