@@ -11,7 +11,8 @@ also checks the result against the fp32 reference, so a run that the sanitizer i
 that computes garbage does not pass silently. The fp8 forward (`jax_fa3_flash_fwd_fp8`, its V
 transpose pre-pass included) runs the same shapes (no softcap; block_size 32 and 64) from
 pre-quantized inputs and is checked against the pure-JAX emulation (--no-fp8 skips it); the
-fused rotate + quantize pass of q runs too, checked against the XLA path.
+fused rotate + quantize pass of q runs too, checked against the XLA path, and so does the user's
+call from floats (`flash_attention_fp8`: v quantized straight into the kernel's V layout).
 """
 import argparse
 import itertools
@@ -83,8 +84,17 @@ def run_fp8_case(d, b, s_q, s_k, h, h_k, causal, window, block_size):
   signs = jax.random.rademacher(keys[0], (d,), dtype=jnp.float32)
   fused = jax.jit(lambda x: fp8._rotate_quantize(x, signs, True, block_size))(q)
   xla = jax.jit(lambda x: fp8._xla_rotate_quantize(x, signs, True, block_size))(q)
+  # The user's call from floats: q/k rotated and quantized in one pass, v quantized straight into
+  # the kernel's V layout (keys_transposed), the kernel with v_transposed; against the emulation.
+  floats = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  user_call = lambda q, k, v: fp8.flash_attention_fp8(
+      q, k, v, causal=causal, window_size=window, block_size=block_size, key=keys[1])
+  from_floats = jax.jit(user_call)(*floats)
+  with jax.default_device(cpu):
+    from_floats_emu = jax.jit(user_call)(*[jax.device_put(x, cpu) for x in floats])
   return {"out": _rel(out, emu), "rotated_q": _rel(dequant(*fused), dequant(*xla)),
-          "rotated_q_scales": _rel(fused[1], xla[1])}
+          "rotated_q_scales": _rel(fused[1], xla[1]),
+          "from_floats": _rel(from_floats, from_floats_emu)}
 
 
 def main(argv=None):
