@@ -130,3 +130,12 @@ def flash_bwd_workspace_bytes(b: int, h: int, s_q: int, d: int, deterministic: b
   if module is None:
     raise RuntimeError(f"jax_fa3 kernels unavailable: {reason}")
   return int(module.flash_bwd_workspace_bytes(b, h, s_q, d, deterministic))
+
+
+def flash_fwd_fp8_workspace_bytes(b: int, s_q: int, s_k: int, h: int, h_k: int, d: int,
+                                  masked: bool, v_transposed: bool) -> int:
+  """The fp8 forward handler's workspace size as C++ computes it (jax_fa3.fp8 mirrors it)."""
+  module, reason = _extension()
+  if module is None:
+    raise RuntimeError(f"jax_fa3 kernels unavailable: {reason}")
+  return int(module.flash_fwd_fp8_workspace_bytes(b, s_q, s_k, h, h_k, d, masked, v_transposed))

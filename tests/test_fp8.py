@@ -336,6 +336,25 @@ def test_reports_emulation_path():
   assert fp8._kernel_unavailable_reason() is not None or jax_fa3.kernels_available()
 
 
+@pytest.mark.parametrize("b,s_q,s_k,h,h_k,d,masked,v_transposed", [
+    (2, 8192, 8192, 16, 16, 128, False, True),   # tail split slots (66 tiles' worth)
+    (2, 8192, 8192, 16, 16, 128, True, True),    # masked: no split
+    (1, 700, 777, 42, 21, 64, False, False),      # slots for a third of the tiles
+    (1, 300, 128, 8, 8, 256, False, False),       # one K/V block: no split
+    (3, 5, 1000, 2, 1, 80, False, False),         # d80 in the 128 bucket, 1 tile
+    (1, 1, 1, 1, 1, 256, False, True)])
+def test_kernel_workspace_size_matches_cpp(b, s_q, s_k, h, h_k, d, masked, v_transposed):
+  """fp8._kernel_workspace_bytes mirrors flash_fwd_fp8_workspace_bytes (C++), which the handler
+  checks the workspace against: V transposed, per-key k scales, the tail split's slots."""
+  from jax_fa3 import _ffi  # noqa: PLC0415
+  if _ffi._extension()[0] is None:
+    pytest.skip(f"CUDA extension not built: {_ffi._extension()[1]}")
+  if fp8._kernel_bucket(d) is None:
+    pytest.skip(f"no fp8 kernel for head dim {d} in this build")
+  assert fp8._kernel_workspace_bytes(b, s_q, s_k, h, h_k, d, masked, v_transposed) == (
+      _ffi.flash_fwd_fp8_workspace_bytes(b, s_q, s_k, h, h_k, d, masked, v_transposed))
+
+
 def test_gpu_program_lowers_on_cpu(monkeypatch):
   """The program a Hopper GPU would run, lowered here for platform CUDA (jax.export; nothing
   runs): q and k through the fused rotate + quantize pass, v quantized straight into the kernel's

@@ -184,6 +184,33 @@ def test_fp8_grid_sizes(b, h, s, causal):
   _check(b + h + s, b, s, s, h, h, 128, causal=causal)
 
 
+def _tail_split_heads(block_m, s_q):
+  """Heads (batch 1) that leave the persistent grid's last round about a quarter of the SMs' worth
+  of tiles, so that the kernel splits each of them over two CTAs (cuda/flash_fwd/tail_split.h)."""
+  sms = getattr(jax.devices()[0], "core_count", None)
+  if not sms:
+    pytest.skip("the device does not report its SM count (core_count)")
+  m_blocks = -(-s_q // block_m)
+  h = 2 * -(-(sms + sms // 4) // (2 * m_blocks))  # even, for GQA
+  last_round = m_blocks * h % sms
+  assert m_blocks * h > sms and 0 < last_round <= sms // 2, (sms, m_blocks, h)
+  return h
+
+
+@pytest.mark.parametrize("d,s_k,block_size,h_k_div,v_transposed", [
+    (128, 1000, 64, 1, False), (64, 777, 100, 2, False), (256, 700, 64, 1, True),
+    (128, 2000, 32, 2, True)])
+def test_fp8_tail_split(d, s_k, block_size, h_k_div, v_transposed):
+  """The last round's tiles run as two pieces on two CTAs each, the low piece after a row-max
+  pass over the high piece's blocks, and a second kernel merges them: P is quantized as in the
+  whole tile, so the output matches the emulation as closely as unsplit tiles do. Ragged keys (the max pass masks the tail), GQA,
+  grouped and per-key k scales (block_size 100), both V routes, every bucket."""
+  s_q = 700
+  h = _tail_split_heads(128 if d == 256 else 192, s_q)
+  _check(d + s_k, 1, s_q, s_k, h, h // h_k_div, d, block_size=block_size,
+         v_transposed=v_transposed)
+
+
 @pytest.mark.parametrize("s_q,s_k,h,h_k,d,causal", [
     (1, 1, 4, 2, 128, False), (65, 4097, 4, 2, 128, True), (1000, 1000, 4, 2, 128, False),
     (1000, 128, 8, 2, 64, True), (333, 517, 4, 2, 96, False), (257, 300, 8, 1, 256, True),

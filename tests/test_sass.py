@@ -77,13 +77,14 @@ def test_attention_kernels_use_wgmma_tma_and_setmaxnreg(kernels, pattern, mma):
 
 
 def test_wgmma_is_not_serialized(kernels):
-  # Waited-for-at-once wgmmas are the last of a batch the code waits on right away (at most 2
-  # per kernel today, of 6-44); a kernel ptxas serialized has nearly all of them so (21 of 28 in
-  # the tenth session's d128 experiment, benchmarks/RESULTS.md).
+  # Waited-for-at-once wgmmas are the last of a batch the code waits on right away (at most 3
+  # per kernel today, of 8-44: the fp8 kernels' tail-split row-max loop waits on its S GEMM too);
+  # a kernel ptxas serialized has nearly all of them so (21 of 28 in the tenth session's d128
+  # experiment, benchmarks/RESULTS.md).
   serialized = []
   for name, counts in kernels:
     gmma = counts["HGMMA"] + counts["QGMMA"]
-    if gmma and 3 * counts["GMMA_THEN_WAIT"] > gmma:
+    if gmma and 2 * counts["GMMA_THEN_WAIT"] > gmma:
       serialized.append(f"{name}: {counts['GMMA_THEN_WAIT']} of {gmma} wgmmas waited at once")
   assert not serialized, "\n".join(serialized)
 

@@ -76,6 +76,12 @@ inline bool poison_outputs_requested() {
   return v != nullptr && v[0] != '\0' && v[0] != '0';
 }
 
+// Whether environment variable `name` is set to "0" (read per call, like the poison hook).
+inline bool env_flag_is_zero(const char* name) {
+  const char* v = std::getenv(name);
+  return v != nullptr && v[0] == '0' && v[1] == '\0';
+}
+
 // Poisons every given result buffer when the test hook is on; returns the first CUDA error.
 template <typename... Results>
 cudaError_t poison_if_requested(cudaStream_t stream, Results&... results) {

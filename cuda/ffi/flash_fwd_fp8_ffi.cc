@@ -7,6 +7,7 @@
 
 #include "ffi/ffi_common.h"
 #include "ffi/handlers.h"
+#include "ffi/registry.h"
 #include "flash_fwd/flash_fwd_fp8.h"
 
 namespace jax_fa3 {
@@ -99,12 +100,15 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
     return invalid("flash_fwd_fp8: lse must have shape (b, h, s_q) = (", b, ", ", h, ", ", s_q,
                    "), got ", shape_str(lse->dimensions()));
   }
-  const size_t ws_bytes = flash_fwd_fp8_workspace_bytes(b, h_k, s_k, d, v_transposed);
+  const bool masked = window_left >= 0 || window_right >= 0;
+  const size_t ws_bytes =
+      flash_fwd_fp8_workspace_bytes(b, s_q, s_k, h, h_k, d, masked, v_transposed);
   if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1 ||
       workspace->size_bytes() < ws_bytes) {
-    return invalid("flash_fwd_fp8: workspace must be a uint8 vector of at least ",
-                   v_transposed ? "b*h_k*s_pad*4" : "b*h_k*s_pad*(d+4)", " = ", ws_bytes,
-                   " bytes (s_pad = s_k rounded up to 32), got shape ",
+    return invalid("flash_fwd_fp8: workspace must be a uint8 vector of at least ", ws_bytes,
+                   " bytes (", v_transposed ? "b*h_k*s_pad*4" : "b*h_k*s_pad*(d+4)",
+                   " with s_pad = s_k rounded up to 32, plus the tail split's slots: "
+                   "flash_fwd_fp8_workspace_bytes), got shape ",
                    shape_str(workspace->dimensions()));
   }
 
@@ -147,6 +151,9 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
   params.softmax_scale = softmax_scale;
   params.window_left = window_left;
   params.window_right = window_right;
+  // JAX_FA3_FP8_TAIL_SPLIT=0 runs the last round's tiles whole (for timing the split's gain;
+  // the outputs then differ only in the order the fp8 tensor cores accumulate O).
+  params.tail_split = !ffi_util::env_flag_is_zero("JAX_FA3_FP8_TAIL_SPLIT");
   if (const cudaError_t err = ffi_util::poison_if_requested(stream, out, lse); err != cudaSuccess) {
     return ffi_util::from_cuda(err, "flash_fwd_fp8 output poisoning (JAX_FA3_DEBUG_POISON_OUTPUTS)");
   }
@@ -155,6 +162,12 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
 
 }  // namespace
 }  // namespace jax_fa3
+
+extern "C" size_t jax_fa3_flash_fwd_fp8_workspace_bytes(int64_t b, int64_t s_q, int64_t s_k,
+                                                        int64_t h, int64_t h_k, int64_t d,
+                                                        bool masked, bool v_transposed) {
+  return jax_fa3::flash_fwd_fp8_workspace_bytes(b, s_q, s_k, h, h_k, d, masked, v_transposed);
+}
 
 // Graph-capturable: no host synchronization, no allocation, no per-call host state.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashFwdFp8, jax_fa3::flash_fwd_fp8_impl,

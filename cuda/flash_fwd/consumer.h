@@ -14,6 +14,7 @@
 #include "flash_fwd/fp8_softmax.h"
 #include "flash_fwd/kernel_params.h"
 #include "flash_fwd/softmax.h"
+#include "flash_fwd/tail_split.h"
 #include "flash_fwd/trace.h"
 #include "flash_fwd/wgmma.h"
 
@@ -155,10 +156,21 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   PipelineState<Traits::kStages> kv;
   uint32_t q_phase = 0;
   [[maybe_unused]] int trace_step = 0;  // trace.h (no-op unless JAX_FA3_FWD_TRACE)
-  for (int tile = blockIdx.x; tile < p.scheduler.num_tiles; tile += gridDim.x) {
-    const TileCoord c = p.scheduler.coord(tile, gridDim.x);
-    const BlockRange range = block_range(c.m_block, kBlockM, kBlockN, sc.s_q, sc.s_k,
-                                         sc.window_left, sc.window_right);
+  static_assert(!Traits::kTailSplit || (!Traits::kIntraWgOverlap && !Traits::kPingPong),
+                "tail-split pieces run in the plain order without turns");
+  for (int index = blockIdx.x;
+       index < (Traits::kTailSplit ? p.scheduler.num_work_items : p.scheduler.num_tiles);
+       index += gridDim.x) {
+    const WorkItem item = Traits::kTailSplit
+                              ? p.scheduler.item(index, gridDim.x)
+                              : WorkItem{p.scheduler.coord(index, gridDim.x), kWholeTile, 0};
+    const TileCoord c = item.tile;
+    // Tail-split pieces (tail_split.h): the blocks this item visits; those >= max_only_from (the
+    // low piece's top blocks) only advance the row maxima.
+    const PieceRange piece = piece_range(
+        block_range(c.m_block, kBlockM, kBlockN, sc.s_q, sc.s_k, sc.window_left, sc.window_right),
+        item.piece);
+    const BlockRange range = piece.visit;
     const int row_g = c.m_block * kBlockM + 64 * (thread_idx / 128) + fc.row0;
     // fp8 only: per-row exp2 scales (softmax_scale * log2 e * q_scale of the row's block), this
     // (batch, kv-head)'s per-key k scales and its v scale.
@@ -282,6 +294,26 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     q_phase ^= 1;
     int n_block = range.n_max - 1;
     if constexpr (!Traits::kIntraWgOverlap) {
+      if constexpr (Traits::kTailSplit) {
+        // The low piece of a split tile first takes the row maxima of the high piece's blocks:
+        // those the whole tile would have reached here. O and the row sums stay 0; V's stage
+        // carries no data (the producer's plain arrive).
+        for (; n_block >= piece.max_only_from; --n_block) {
+          Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+          mbar_wait(&ss.k_full[kv.stage], kv.phase);
+          warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, kv.stage),
+                                                          tSrS);
+          warpgroup_wait<0>();
+          release_stage(&ss.k_empty[kv.stage]);
+          finish_scores(tSrS, n_block);
+          softmax_max(tSrS, n_block);
+#pragma unroll
+          for (int g = 0; g < kKeyGroups; ++g) ks_cur[g] = ks_next[g];
+          mbar_wait(&ss.v_full[kv.stage], kv.phase);
+          release_stage(&ss.v_empty[kv.stage]);
+          kv.advance();
+        }
+      }
       // Plain order: S = QK^T; softmax; O += PV (two ping-pong turns per block where taken).
       for (; n_block >= range.n_min; --n_block) {
         Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -386,6 +418,23 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     // A tile with no visible K/V block ran no S GEMM: Q's buffer is released here.
     if (range.n_max <= range.n_min) release_q_after_last_s(range.n_min, range);
 
+    bool write_out = true;
+    if constexpr (Traits::kTailSplit) {
+      // Whether the item is a piece, again from its index (not held in registers through the
+      // loop: the empty asm hides that it is the same value). A piece leaves its partial in its
+      // workspace slot for fp8_tail_combine_kernel and runs the epilogue with its writes off (its
+      // barriers and Q-buffer release as usual): a branch that skipped the epilogue made ptxas
+      // spill ~230 bytes inside the main loop of the 192-row d128 kernel.
+      int index_again = index;
+      asm volatile("" : "+r"(index_again));
+      const int first_piece = p.scheduler.num_tiles - p.scheduler.num_split_tiles;
+      if (index_again >= first_piece) {
+        write_tail_piece<kHeadDim, kBlockM>(p.tail_partials, index_again - first_piece, tOrO,
+                                            softmax, thread_idx);
+        write_out = false;
+      }
+    }
+
     float inv_sum[2], lse[2];
     if constexpr (kFp8) {
       softmax.finalize(v_scale, inv_sum, lse);
@@ -393,7 +442,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
       softmax.finalize(sc.scale_log2, inv_sum, lse);
     }
     rescale_rows(tOrO, inv_sum);
-    store_tile<Traits>(p, ss, tOrO, lse, c, thread_idx);
+    store_tile<Traits>(p, ss, tOrO, lse, c, thread_idx, write_out);
   }
   pingpong.finish();
   // The last tile's TMA store of O must have read shared memory before the CTA exits.

@@ -15,12 +15,14 @@ namespace jax_fa3::fwd {
 
 using namespace cute;
 
-// thread_idx: 0..255 over the consumer warpgroups. lse: this thread's two rows.
+// thread_idx: 0..255 over the consumer warpgroups. lse: this thread's two rows. write_out false:
+// the barriers and the release of Q's buffer only, no global writes (a tail-split piece, whose
+// partial fp8_tail_combine_kernel merges: tail_split.h).
 template <class Traits, class FragO>
 __device__ __forceinline__ void store_tile(KernelParams<Traits> const& p,
                                            typename Traits::SharedStorage& ss, FragO const& tOrO,
                                            const float (&lse)[2], const TileCoord& c,
-                                           int thread_idx) {
+                                           int thread_idx, bool write_out = true) {
   using Element = typename Traits::ElementOut;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -58,7 +60,7 @@ __device__ __forceinline__ void store_tile(KernelParams<Traits> const& p,
                            make_coord(c.m_block, _0{}));
     auto [tOgO, tOsO] = tma_partition(p.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO),
                                       group_modes<0, 2>(gO));
-    copy(p.tma_o, tOsO, tOgO);
+    if (write_out) copy(p.tma_o, tOsO, tOgO);
     tma_store_arrive();
     if (!early_q_release) {
       // Only the shared-memory reads must be done before Q's buffer is refilled; the global
@@ -70,7 +72,7 @@ __device__ __forceinline__ void store_tile(KernelParams<Traits> const& p,
 
   // LSE (b, h, s_q): the quad's lane 0 writes its two rows.
   const int thread_in_wg = thread_idx % 128;
-  if (thread_in_wg % 4 == 0) {
+  if (write_out && thread_in_wg % 4 == 0) {
     const FragCoord fc = FragCoord::of_thread(thread_in_wg);
     const int row = c.m_block * kBlockM + 64 * (thread_idx / 128) + fc.row0;
     float* lse_row = sc.lse + (int64_t(c.batch) * sc.h + c.head) * sc.s_q;

@@ -29,6 +29,9 @@ struct FlashFwdFp8Params {
   float softmax_scale;
   int window_left;   // -1 = unbounded
   int window_right;  // -1 = unbounded; causal arrives as 0
+  // Split the last round's tiles over two CTAs each where the workspace has room (tail_split.h).
+  // Off only to time the kernel without it (tools/fwd_timeline.cu).
+  bool tail_split = true;
 };
 
 // Keys of the transposed V copy: s_k rounded up to whole 32-key permutation groups. Also called
@@ -37,14 +40,6 @@ struct FlashFwdFp8Params {
 __host__ __device__
 #endif
 inline int64_t flash_fwd_fp8_key_pad(int64_t s_k) { return (s_k + 31) / 32 * 32; }
-
-// Workspace: Vt (b, h_k, d, s_pad) e4m3 unless V arrives transposed, then the per-key k scales
-// (b, h_k, s_pad) f32. Keep in sync with jax_fa3/fp8.py (_kernel_workspace_bytes).
-inline size_t flash_fwd_fp8_workspace_bytes(int64_t b, int64_t h_k, int64_t s_k, int64_t d,
-                                            bool v_transposed) {
-  const int64_t s_pad = flash_fwd_fp8_key_pad(s_k);
-  return static_cast<size_t>(b * h_k * s_pad * ((v_transposed ? 0 : d) + 4));
-}
 
 // Head-dim buckets with an fp8 kernel (a head dim runs in the smallest compiled one >= d).
 constexpr int kFp8HeadDimBuckets[] = {64, 128, 256};
@@ -109,6 +104,46 @@ constexpr bool fp8_may_release_q_early(int bucket, int block_m) {
 }
 inline bool fp8_early_q_release(int bucket, int block_m, const FlashFwdFp8Params& p) {
   return fp8_may_release_q_early(bucket, block_m) && p.s_k <= kFp8EarlyQReleaseMaxSeqlenK;
+}
+
+// Keys per K/V block of every fp8 kernel (fp8_traits.h, BlockNFp8).
+constexpr int kFp8BlockN = 128;
+
+// Tail split (tail_split.h): at most this many tiles of a last round are split, half of an
+// H100's or H200's 132 SMs (a split needs two CTAs per tile); and at most a third of the call's
+// tiles (a split round follows at least one full round of as many CTAs as twice its tiles).
+constexpr int kFp8TailSplitMaxTiles = 66;
+
+// Workspace slots the tail split may use for a call (two per split tile, one per piece): 0 with
+// a mask (tiles then differ in cost and run longest first), without an fp8 kernel for d, or with
+// a single K/V block per tile.
+inline int64_t fp8_tail_split_slots(int64_t b, int64_t s_q, int64_t s_k, int64_t h, int64_t d,
+                                    bool masked) {
+  const int bucket = fp8_head_dim_bucket(static_cast<int>(d));
+  if (masked || bucket == 0 || s_k <= kFp8BlockN) return 0;
+  const int64_t block_m = fp8_default_block_m(bucket);  // unmasked d128 runs 192 rows too
+  const int64_t tiles = (s_q + block_m - 1) / block_m * h * b;
+  return 2 * (tiles / 3 < kFp8TailSplitMaxTiles ? tiles / 3 : kFp8TailSplitMaxTiles);
+}
+
+// One slot: the partial O of a piece in fp32 (the consumer fragments, block_m x bucket) and four
+// floats of row statistics per consumer thread (2 * block_m threads): tail_split.h,
+// TailSlotLayout.
+inline int64_t fp8_tail_split_slot_bytes(int bucket) {
+  return int64_t(fp8_default_block_m(bucket)) * (4 * bucket + 32);
+}
+
+// Workspace, in this order: Vt (b, h_k, d, s_pad) e4m3 unless V arrives transposed; the per-key
+// k scales (b, h_k, s_pad) f32; the tail split's slots. Every part is a multiple of 16 bytes.
+// Keep in sync with jax_fa3/fp8.py (_kernel_workspace_bytes).
+inline size_t flash_fwd_fp8_workspace_bytes(int64_t b, int64_t s_q, int64_t s_k, int64_t h,
+                                            int64_t h_k, int64_t d, bool masked,
+                                            bool v_transposed) {
+  const int64_t s_pad = flash_fwd_fp8_key_pad(s_k);
+  const int64_t slots = fp8_tail_split_slots(b, s_q, s_k, h, d, masked);
+  const int64_t split_bytes =
+      slots == 0 ? 0 : slots * fp8_tail_split_slot_bytes(fp8_head_dim_bucket(int(d)));
+  return static_cast<size_t>(b * h_k * s_pad * ((v_transposed ? 0 : d) + 4) + split_bytes);
 }
 
 // One specialization per cuda/instantiations/flash_fwd_hdim<D>_e4m3*.cu. The extern declarations

@@ -49,6 +49,13 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   const auto* vt = p.v_transposed ? static_cast<const uint8_t*>(p.v)
                                   : static_cast<const uint8_t*>(p.workspace);
   auto* k_col = reinterpret_cast<float*>(static_cast<uint8_t*>(p.workspace) + vt_bytes);
+  // The tail split's slots follow the k scales (flash_fwd_fp8_workspace_bytes).
+  const bool masked = p.window_left >= 0 || p.window_right >= 0;
+  // (Sized for the bucket that runs d in this build; the tools compile one kernel and say which.)
+  const int64_t split_slots = fp8_head_dim_bucket(p.d) == kHeadDim
+                                  ? fp8_tail_split_slots(p.b, p.s_q, p.s_k, p.h, p.d, masked)
+                                  : 0;
+  auto* split_partials = k_col + int64_t(p.b) * p.h_k * s_pad;
   int device = 0;
   int num_sms = 0;
   JAX_FA3_RETURN_IF_CUDA_ERROR(cudaGetDevice(&device));
@@ -109,6 +116,7 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   extra.k_scale_grouped = p.block_size % kFp8KeyScaleGroup == 0;
   extra.early_q_release = fp8_early_q_release(kHeadDim, Traits::kBlockM, p);
   extra.scale_log2 = scalars.scale_log2;  // softmax_scale * log2(e) (no softcap in fp8)
+  extra.tail_partials = split_partials;
 
   Params params{
       extra,
@@ -126,12 +134,29 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
                     scalars.window_left >= 0 || scalars.window_right >= 0)};
 
   const int grid = std::min(num_sms, params.scheduler.num_tiles);
+  int split = 0;
+  if constexpr (Traits::kTailSplit) {
+    static_assert(Traits::kBlockM == fp8_default_block_m(kHeadDim), "slot size of the split");
+    const int num_kv_blocks = (p.s_k + Traits::kBlockN - 1) / Traits::kBlockN;
+    // Two slots per split tile (one per piece).
+    split = p.tail_split ? tail_split_tiles(params.scheduler.num_tiles, grid, num_kv_blocks,
+                                            int(split_slots / 2))
+                         : 0;
+    params.scheduler.set_tail_split(split);
+  }
 
   auto* kernel = &flash_fwd_kernel<Traits>;
   JAX_FA3_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
   kernel<<<grid, Traits::kNumThreads, Traits::kSmemBytes, stream>>>(params);
   JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+  if (split > 0) {
+    const TailCombineParams combine{split_partials, static_cast<__nv_bfloat16*>(p.o), p.lse,
+                                    p.v_scale, params.scheduler, p.s_q, p.h, p.h_k, p.d};
+    fp8_tail_combine_kernel<kHeadDim, Traits::kBlockM>
+        <<<dim3(split, Traits::kBlockM / 64), 128, 0, stream>>>(combine);
+    JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+  }
   return cudaSuccess;
 }
 

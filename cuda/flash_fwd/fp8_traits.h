@@ -73,6 +73,7 @@ struct Fp8KernelTraits {
   static constexpr int kBlockM = kBlockM_;
   static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroups");
   static constexpr int kBlockN = BlockNFp8<kHeadDim>::value;
+  static_assert(kBlockN == kFp8BlockN, "flash_fwd_fp8.h sizes the workspace with kFp8BlockN");
   static constexpr int kStages = 2;
   static constexpr int kNumConsumerWarpGroups = kBlockM / 64;
   // As for 16-bit: S(n) + P(n+1) + O live together only where O is small enough, and only with
@@ -102,6 +103,9 @@ struct Fp8KernelTraits {
   // PV issued in 2 or 4 pieces between parts of the exp2 pass (736-753), bf16 d256 (606-610 vs 622).
   static constexpr bool kPipelinedPv = !kIntraWgOverlap;
   static constexpr bool kPingPong = !kPipelinedPv;
+  // The last round's tiles split in two pieces over two CTAs each (tail_split.h): only in the
+  // plain order (the intra-warpgroup overlap's first block and ping-pong turns assume whole tiles).
+  static constexpr bool kTailSplit = kPipelinedPv;
   static constexpr int kNumThreads = 128 * (kNumConsumerWarpGroups + 1);
   static constexpr int kNumConsumerThreads = 128 * kNumConsumerWarpGroups;
   // setmaxnreg budget (65536 registers per SM): at most 128 * 24 + 256 * 240 (two consumer

@@ -40,6 +40,7 @@ template <> struct ExtraParams<true> {
   int k_scale_grouped;       // block_size % 32 == 0: one k scale per 32-key group (fp8_softmax.h)
   int early_q_release;       // release Q's buffer after each tile's last S GEMM (flash_fwd_fp8.h)
   float scale_log2;          // softmax_scale * log2(e)
+  float* tail_partials;      // the split tiles' pieces (tail_split.h; scheduler.num_split_tiles)
 };
 
 // V's tile: (kBlockN keys, d) for bf16/fp16; the fp8 kernel loads V^T tiles (d, kBlockN keys)

@@ -66,6 +66,7 @@ struct KernelTraits {
   // 622-623 without (kernel alone, 8k, H200, 2026-12-01). Not taken; the ping-pong stays.
   static constexpr bool kPipelinedPv = false;
   static constexpr bool kPingPong = true;
+  static constexpr bool kTailSplit = false;  // tail_split.h: fp8 kernels only
   static constexpr int kNumConsumerWarpGroups = kBlockM / 64;
   static constexpr int kNumThreads = 128 * (kNumConsumerWarpGroups + 1);  // + producer WG
   static constexpr int kNumConsumerThreads = 128 * kNumConsumerWarpGroups;

@@ -1,7 +1,13 @@
-// Persistent static tile scheduler: gridDim.x = min(#SMs, #tiles) CTAs, CTA i takes tiles
-// i, i + gridDim.x, ... (round r of the grid runs tiles r * gridDim.x ...). Producer and consumers
+// Persistent static tile scheduler: gridDim.x = min(#SMs, #tiles) CTAs, CTA i takes work items
+// i, i + gridDim.x, ... (round r of the grid runs items r * gridDim.x ...). Producer and consumers
 // walk the same sequence, so they agree on every tile (and on how many K/V blocks each one loads)
 // without talking to each other.
+//
+// Tail split (fp8 kernels without a mask, tail_split.h): when the last round holds L tiles and
+// 2L <= gridDim.x, so that all but L CTAs would idle through it, each of those L tiles runs as two
+// pieces on two CTAs (the high piece takes the top K/V blocks, the low piece the rest), and the
+// last of the two to finish merges the other's partial O. Items [num_tiles - L, num_tiles + L)
+// are the pieces: high pieces first (CTAs 0..L-1 of the last round), then low (CTAs L..2L-1).
 #pragma once
 #include <cstdint>
 
@@ -11,8 +17,27 @@ struct TileCoord {
   int m_block, head, batch;
 };
 
+// Which part of its tile a work item computes.
+enum TilePiece : int { kWholeTile = 0, kHighPiece = 1, kLowPiece = 2 };
+
+struct WorkItem {
+  TileCoord tile;
+  TilePiece piece;
+  int slot;  // pieces: the split tile's index in [0, num_split_tiles) (its workspace slot)
+};
+
 struct TileScheduler {
   int num_m_blocks, num_heads, num_tiles;
+  // L above (0: no tail split) and the item count, set on the host (set_tail_split): kept as
+  // parameters so that the kernel's loops read them from the constant bank instead of holding
+  // a computed bound in a register (the 192-row fp8 kernel has none to spare).
+  int num_split_tiles = 0;
+  int num_work_items = num_tiles;
+
+  __host__ void set_tail_split(int split_tiles) {
+    num_split_tiles = split_tiles;
+    num_work_items = num_tiles + split_tiles;
+  }
   // With a causal or sliding-window mask the bottom rows (large m_block) see the most keys in
   // bottom-right alignment, so tiles are handed out by m_block descending over all heads:
   // longest first, short tiles fill the tail. Without a mask all tiles cost the same and the
@@ -34,6 +59,17 @@ struct TileScheduler {
     const int left = num_tiles - round * num_ctas;
     const int in_round = left < num_ctas ? left : num_ctas;
     return round * num_ctas + in_round - 1 - (tile - round * num_ctas);
+  }
+
+
+  // Item `index` of the sequence above; num_ctas: the grid size.
+  __host__ __device__ __forceinline__ WorkItem item(int index, int num_ctas) const {
+    const int first_split = num_tiles - num_split_tiles;
+    if (index < first_split) return {coord(index, num_ctas), kWholeTile, 0};
+    const int piece = index - first_split;
+    const int slot = piece % num_split_tiles;
+    return {coord(first_split + slot, num_ctas),
+            piece < num_split_tiles ? kHighPiece : kLowPiece, slot};
   }
 
   // num_ctas: the grid size (the round length of the zigzag).

@@ -1,0 +1,183 @@
+// Tail split of the persistent grid (fp8 kernels in the plain order, no mask): the tiles of the
+// last, partial round run as two pieces each on two CTAs; each piece writes its partial O and row
+// statistics to the workspace, and a small kernel after the main one merges the two and writes
+// the tile's O and LSE (tile_scheduler.h says which items are pieces).
+//
+// Why: without a mask every tile costs the same, so a last round of L < gridDim.x tiles keeps
+// gridDim.x - L CTAs idle for a whole tile time (d128 8k, 16k tokens, 16 heads on 132 SMs: 1376
+// tiles of 192 rows = 10.4 rounds, the kernel waits 11 tile times).
+//
+// Numerics: the fp8 kernel quantizes P as e4m3(2^8 · exp2(s - running max)), so P's rounding
+// depends on the running max a block is exponentiated against (jax_fa3/fp8.py, step 4). The high
+// piece visits the top K/V blocks exactly as the whole tile would. The low piece first takes the
+// row maxima of the high piece's blocks (the S GEMM and row max only; no exponentials, no PV
+// GEMM, V not loaded), so its blocks are exponentiated against the same running max as in the
+// whole tile: both pieces quantize every P value as the unsplit kernel does, and the merge
+// differs from it only in float32 rounding (the O rescale of the high piece's partial is one
+// exp2 instead of a product of per-block factors).
+//
+// Why a second kernel rather than the last piece to finish merging in place (tried first): that
+// merge path (ticket, wait, loads) made ptxas spill 16-20 bytes of loop invariants of the 192-row
+// d128 kernel into its main loop; the write-only path leaves it without spills.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cute/tensor.hpp>
+
+#include "flash_fwd/block_info.h"
+#include "flash_fwd/fp8_softmax.h"
+#include "flash_fwd/softmax.h"
+#include "flash_fwd/tile_scheduler.h"
+
+namespace jax_fa3::fwd {
+
+// The high piece takes this many eighths of the tile's K/V blocks. The low piece pays for its
+// row-max pass over the high piece's blocks (roughly a third of a whole block each: the S GEMM is
+// half of the tensor work and no exponentials run), so equal finishing times need the high piece
+// to be the larger one: h = 5/8 of n gives the low piece 5/8 * (about 1/3) + 3/8 of a tile.
+constexpr int kTailSplitHighEighths = 5;
+
+// The blocks a work item visits (n_max - 1 down to n_min, as block_range) and the first of them
+// that it only takes row maxima of (n_max: none).
+struct PieceRange {
+  BlockRange visit;
+  int max_only_from;
+};
+
+__host__ __device__ __forceinline__ PieceRange piece_range(const BlockRange& range, TilePiece piece) {
+  const int n = range.n_max - range.n_min;
+  int high = (n * kTailSplitHighEighths + 4) / 8;
+  high = high < 1 ? 1 : (high > n - 1 ? n - 1 : high);
+  const int split = range.n_max - high;
+  switch (piece) {
+    case kHighPiece: return {{split, range.n_max}, range.n_max};
+    case kLowPiece: return {range, split};
+    default: return {range, range.n_max};
+  }
+}
+
+// Tiles to split for num_tiles tiles on grid CTAs (0: none): the last round must leave at least
+// half of the grid idle (two CTAs per split tile), each tile must have two K/V blocks to share,
+// and the workspace must hold max_tiles slots.
+__host__ __device__ __forceinline__ int tail_split_tiles(int num_tiles, int grid, int num_k_blocks,
+                                                         int max_tiles) {
+  if (num_tiles <= grid || num_k_blocks < 2) return 0;
+  const int last_round = num_tiles % grid;
+  return last_round > 0 && 2 * last_round <= grid && last_round <= max_tiles ? last_round : 0;
+}
+
+// The workspace area of the split tiles (flash_fwd_fp8.h sizes it): 2L slots, the high pieces'
+// (0..L-1) then the low pieces' (L..2L-1), each holding a piece's partial O in float4 vectors
+// [vector][consumer thread] (coalesced stores and loads) and then its per-thread row statistics
+// (row_max[2], row_sum[2]; row_sum is the thread's partial sum, quad-summed at the end).
+template <int kHeadDim, int kBlockM>
+struct TailSlotLayout {
+  static constexpr int kThreads = 2 * kBlockM;  // 128 consumer threads per 64 rows
+  static constexpr int kVectors = kHeadDim / 8;  // O fragment: kHeadDim / 2 floats per thread
+  static constexpr int64_t kFloat4s = int64_t(kVectors + 1) * kThreads;
+  __host__ __device__ static float4* o(float* partials, int slot) {
+    return reinterpret_cast<float4*>(partials) + slot * kFloat4s;
+  }
+  __host__ __device__ static float4* stats(float* partials, int slot) {
+    return o(partials, slot) + kVectors * kThreads;
+  }
+};
+
+// Every consumer thread of a piece, after its last K/V block: its O fragment and row statistics to
+// its slot (the item's index past the last whole tile).
+template <int kHeadDim, int kBlockM, class FragO, class Softmax>
+__device__ __forceinline__ void write_tail_piece(float* partials, int slot, FragO const& o,
+                                                 Softmax const& softmax, int thread_idx) {
+  using Layout = TailSlotLayout<kHeadDim, kBlockM>;
+  static_assert(decltype(cute::size(o))::value == 4 * Layout::kVectors);
+  float4* slot_o = Layout::o(partials, slot);
+#pragma unroll
+  for (int v = 0; v < Layout::kVectors; ++v) {
+    slot_o[v * Layout::kThreads + thread_idx] =
+        make_float4(o(4 * v), o(4 * v + 1), o(4 * v + 2), o(4 * v + 3));
+  }
+  Layout::stats(partials, slot)[thread_idx] =
+      make_float4(softmax.row_max[0], softmax.row_max[1], softmax.row_sum[0], softmax.row_sum[1]);
+}
+
+struct TailCombineParams {
+  const float* partials;
+  __nv_bfloat16* o;      // (b, s_q, h, d)
+  float* lse;            // (b, h, s_q)
+  const float* v_scale;  // (b, h_k)
+  TileScheduler scheduler;
+  int s_q, h, h_k, d;
+};
+
+// a * fa + b * fb as two rounded products and a sum (no contraction), the same for every tile.
+__device__ __forceinline__ float merge_terms(float a, float fa, float b, float fb) {
+  return __fadd_rn(__fmul_rn(a, fa), __fmul_rn(b, fb));
+}
+
+// Grid (L, kBlockM / 64), 128 threads: block (j, w) merges rows 64w.. of split tile j, thread t
+// taking over what consumer thread 128w + t held in both pieces (same fragment layout, so the
+// quad sums of finalize() pair the same lanes). Then O = merged O * v_scale / (2^8 * row sum) in
+// bf16, rounded as the main kernel's epilogue rounds, and the LSE.
+template <int kHeadDim, int kBlockM>
+__global__ void __launch_bounds__(128) fp8_tail_combine_kernel(const TailCombineParams p) {
+  using Layout = TailSlotLayout<kHeadDim, kBlockM>;
+  const int split_tiles = p.scheduler.num_split_tiles;
+  const int tile = blockIdx.x;
+  const int thread_idx = 128 * blockIdx.y + threadIdx.x;
+  const TileCoord c = p.scheduler.coord(p.scheduler.num_tiles - split_tiles + tile, 1);
+  float* partials = const_cast<float*>(p.partials);
+  const float4 high = __ldg(Layout::stats(partials, tile) + thread_idx);
+  const float4 low = __ldg(Layout::stats(partials, split_tiles + tile) + thread_idx);
+  const float high_max[2] = {high.x, high.y}, low_max[2] = {low.x, low.y};
+  const float high_sum[2] = {high.z, high.w}, low_sum[2] = {low.z, low.w};
+  Fp8OnlineSoftmax<1, false> merged;
+  float high_factor[2], low_factor[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    merged.row_max[r] = fmaxf(high_max[r], low_max[r]);
+    // A row neither piece saw a key of keeps max -inf and sums 0: factors exp2(-inf) = 0.
+    const float base = merged.row_max[r] == -INFINITY ? 0.f : merged.row_max[r];
+    high_factor[r] = exp2f(high_max[r] - base);
+    low_factor[r] = exp2f(low_max[r] - base);
+    merged.row_sum[r] = merge_terms(high_sum[r], high_factor[r], low_sum[r], low_factor[r]);
+  }
+  const int kv_head = c.head / (p.h / p.h_k);
+  float inv_sum[2], lse[2];
+  merged.finalize(__ldg(p.v_scale + int64_t(c.batch) * p.h_k + kv_head), inv_sum, lse);
+
+  const FragCoord fc = FragCoord::of_thread(threadIdx.x);
+  const int row0 = c.m_block * kBlockM + 64 * blockIdx.y + fc.row0;
+  const float4* high_o = Layout::o(partials, tile) + thread_idx;
+  const float4* low_o = Layout::o(partials, split_tiles + tile) + thread_idx;
+#pragma unroll 4
+  for (int v = 0; v < Layout::kVectors; ++v) {
+    const float4 a = __ldg(high_o + v * Layout::kThreads);
+    const float4 b = __ldg(low_o + v * Layout::kThreads);
+    const float hv[4] = {a.x, a.y, a.z, a.w}, lv[4] = {b.x, b.y, b.z, b.w};
+    const int col = fc.col0 + 8 * v;  // frag_col of element 4v (and 4v + 1 next to it)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // elements 4v + 2r, 4v + 2r + 1: row r, columns col, col + 1
+      const int row = row0 + 8 * r;
+      if (row >= p.s_q || col >= p.d) continue;
+      float out[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        out[e] = merge_terms(hv[2 * r + e], high_factor[r], lv[2 * r + e], low_factor[r]) *
+                 inv_sum[r];
+      }
+      const int64_t at = ((int64_t(c.batch) * p.s_q + row) * p.h + c.head) * p.d + col;
+      *reinterpret_cast<__nv_bfloat162*>(p.o + at) = __floats2bfloat162_rn(out[0], out[1]);
+    }
+  }
+  if (threadIdx.x % 4 == 0) {
+    float* lse_row = p.lse + (int64_t(c.batch) * p.h + c.head) * p.s_q;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      if (row0 + 8 * r < p.s_q) lse_row[row0 + 8 * r] = lse[r];
+    }
+  }
+}
+
+}  // namespace jax_fa3::fwd
