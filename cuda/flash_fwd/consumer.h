@@ -158,18 +158,14 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   [[maybe_unused]] int trace_step = 0;  // trace.h (no-op unless JAX_FA3_FWD_TRACE)
   static_assert(!Traits::kTailSplit || (!Traits::kIntraWgOverlap && !Traits::kPingPong),
                 "tail-split pieces run in the plain order without turns");
-  for (int index = blockIdx.x;
-       index < (Traits::kTailSplit ? p.scheduler.num_work_items : p.scheduler.num_tiles);
+  for (int index = blockIdx.x; index < num_work_items<Traits::kTailSplit>(p.scheduler);
        index += gridDim.x) {
-    const WorkItem item = Traits::kTailSplit
-                              ? p.scheduler.item(index, gridDim.x)
-                              : WorkItem{p.scheduler.coord(index, gridDim.x), kWholeTile, 0};
-    const TileCoord c = item.tile;
+    const ItemBlocks work =
+        item_blocks<Traits::kTailSplit>(p.scheduler, index, kBlockM, kBlockN, sc);
+    const TileCoord c = work.tile;
     // Tail-split pieces (tail_split.h): the blocks this item visits; those >= max_only_from (the
     // low piece's top blocks) only advance the row maxima.
-    const PieceRange piece = piece_range(
-        block_range(c.m_block, kBlockM, kBlockN, sc.s_q, sc.s_k, sc.window_left, sc.window_right),
-        item.piece);
+    const PieceRange piece = work.piece;
     const BlockRange range = piece.visit;
     const int row_g = c.m_block * kBlockM + 64 * (thread_idx / 128) + fc.row0;
     // fp8 only: per-row exp2 scales (softmax_scale * log2 e * q_scale of the row's block), this

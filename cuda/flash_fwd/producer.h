@@ -52,20 +52,15 @@ __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
 
   PipelineState<Traits::kStages> kv;
   uint32_t q_phase = 0;
-  for (int index = blockIdx.x;
-       index < (Traits::kTailSplit ? p.scheduler.num_work_items : p.scheduler.num_tiles);
+  for (int index = blockIdx.x; index < num_work_items<Traits::kTailSplit>(p.scheduler);
        index += gridDim.x) {
-    const WorkItem item = Traits::kTailSplit
-                              ? p.scheduler.item(index, gridDim.x)
-                              : WorkItem{p.scheduler.coord(index, gridDim.x), kWholeTile, 0};
-    const TileCoord c = item.tile;
+    const ItemBlocks work =
+        item_blocks<Traits::kTailSplit>(p.scheduler, index, kBlockM, kBlockN, sc);
+    const TileCoord c = work.tile;
+    const int kv_head = c.head / group;
     // A tail-split piece (tail_split.h) visits part of the tile's blocks; the low piece's top
     // blocks (>= max_only_from) feed only its row maxima and need no V.
-    const PieceRange piece = piece_range(
-        block_range(c.m_block, kBlockM, kBlockN, sc.s_q, sc.s_k, sc.window_left, sc.window_right),
-        item.piece);
-    const BlockRange range = piece.visit;
-    const int kv_head = c.head / group;
+    const BlockRange range = work.piece.visit;
     Tensor gQ = local_tile(mQ(_, _, c.head, c.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                            make_coord(c.m_block, _0{}));                       // (M, D)
     Tensor gK = local_tile(mK(_, _, kv_head, c.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
@@ -99,7 +94,7 @@ __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
     };
     auto load_v = [&](int n_block) {
       mbar_wait(&ss.v_empty[kv.stage], kv.phase ^ 1);
-      if (Traits::kTailSplit && n_block >= piece.max_only_from) {
+      if (Traits::kTailSplit && n_block >= work.piece.max_only_from) {
         // No V for a row-max-only block: a plain arrive completes the stage's phase, so the
         // V barriers keep stepping with the K barriers (the consumers wait and release it).
         mbar_arrive(&ss.v_full[kv.stage]);

@@ -28,6 +28,7 @@
 
 #include "flash_fwd/block_info.h"
 #include "flash_fwd/fp8_softmax.h"
+#include "flash_fwd/params.h"
 #include "flash_fwd/softmax.h"
 #include "flash_fwd/tile_scheduler.h"
 
@@ -56,6 +57,30 @@ __host__ __device__ __forceinline__ PieceRange piece_range(const BlockRange& ran
     case kLowPiece: return {range, split};
     default: return {range, range.n_max};
   }
+}
+
+// The kernel's loop bound: work items with the split (kTailSplit: Traits::kTailSplit), tiles
+// without it (the same number when no tile is split).
+template <bool kTailSplit>
+__device__ __forceinline__ int num_work_items(const TileScheduler& scheduler) {
+  return kTailSplit ? scheduler.num_work_items : scheduler.num_tiles;
+}
+
+// Work item `index` of the sequence (producer and consumers walk the same one): its tile and the
+// K/V blocks it visits (block_range, cut to the piece). Without the split, the whole tile.
+struct ItemBlocks {
+  TileCoord tile;
+  PieceRange piece;
+};
+template <bool kTailSplit>
+__device__ __forceinline__ ItemBlocks item_blocks(const TileScheduler& scheduler, int index,
+                                                  int block_m, int block_n,
+                                                  const FlashFwdScalars& sc) {
+  const WorkItem item = kTailSplit ? scheduler.item(index, gridDim.x)
+                                   : WorkItem{scheduler.coord(index, gridDim.x), kWholeTile};
+  const BlockRange whole = block_range(item.tile.m_block, block_m, block_n, sc.s_q, sc.s_k,
+                                       sc.window_left, sc.window_right);
+  return {item.tile, piece_range(whole, item.piece)};
 }
 
 // Tiles to split for num_tiles tiles on grid CTAs (0: none): the last round must leave at least

@@ -5,9 +5,9 @@
 //
 // Tail split (fp8 kernels without a mask, tail_split.h): when the last round holds L tiles and
 // 2L <= gridDim.x, so that all but L CTAs would idle through it, each of those L tiles runs as two
-// pieces on two CTAs (the high piece takes the top K/V blocks, the low piece the rest), and the
-// last of the two to finish merges the other's partial O. Items [num_tiles - L, num_tiles + L)
-// are the pieces: high pieces first (CTAs 0..L-1 of the last round), then low (CTAs L..2L-1).
+// pieces on two CTAs (the high piece takes the top K/V blocks, the low piece the rest), and a
+// second kernel merges their partials. Items [num_tiles - L, num_tiles + L) are the pieces, in
+// workspace slot order: high pieces first (CTAs 0..L-1 of the last round), then low (L..2L-1).
 #pragma once
 #include <cstdint>
 
@@ -23,7 +23,6 @@ enum TilePiece : int { kWholeTile = 0, kHighPiece = 1, kLowPiece = 2 };
 struct WorkItem {
   TileCoord tile;
   TilePiece piece;
-  int slot;  // pieces: the split tile's index in [0, num_split_tiles) (its workspace slot)
 };
 
 struct TileScheduler {
@@ -61,15 +60,13 @@ struct TileScheduler {
     return round * num_ctas + in_round - 1 - (tile - round * num_ctas);
   }
 
-
   // Item `index` of the sequence above; num_ctas: the grid size.
   __host__ __device__ __forceinline__ WorkItem item(int index, int num_ctas) const {
     const int first_split = num_tiles - num_split_tiles;
-    if (index < first_split) return {coord(index, num_ctas), kWholeTile, 0};
+    if (index < first_split) return {coord(index, num_ctas), kWholeTile};
     const int piece = index - first_split;
-    const int slot = piece % num_split_tiles;
-    return {coord(first_split + slot, num_ctas),
-            piece < num_split_tiles ? kHighPiece : kLowPiece, slot};
+    return {coord(first_split + piece % num_split_tiles, num_ctas),
+            piece < num_split_tiles ? kHighPiece : kLowPiece};
   }
 
   // num_ctas: the grid size (the round length of the zigzag).
