@@ -12,9 +12,11 @@
 // piece visits the top K/V blocks exactly as the whole tile would. The low piece first takes the
 // row maxima of the high piece's blocks (the S GEMM and row max only; no exponentials, no PV
 // GEMM, V not loaded), so its blocks are exponentiated against the same running max as in the
-// whole tile: both pieces quantize every P value as the unsplit kernel does, and the merge
-// differs from it only in float32 rounding (the O rescale of the high piece's partial is one
-// exp2 instead of a product of per-block factors).
+// whole tile: both pieces quantize every P value as the unsplit kernel does. What differs is the
+// order O is accumulated in: the fp8 tensor cores keep ~14 bits of the running sum, and the low
+// blocks now start from zero instead of the high ones' sum (H200: 1.2% of the d128 8k outputs
+// move, a few by several bf16 steps; float64 row errors the same, benchmarks/RESULTS.md), plus
+// float32 rounding (one exp2 rescales the high partial instead of a product of per-block factors).
 //
 // Why a second kernel rather than the last piece to finish merging in place (tried first): that
 // merge path (ticket, wait, loads) made ptxas spill 16-20 bytes of loop invariants of the 192-row
@@ -47,7 +49,8 @@ struct PieceRange {
   int max_only_from;
 };
 
-__host__ __device__ __forceinline__ PieceRange piece_range(const BlockRange& range, TilePiece piece) {
+__host__ __device__ __forceinline__ PieceRange piece_range(const BlockRange& range,
+                                                           TilePiece piece) {
   const int n = range.n_max - range.n_min;
   int high = (n * kTailSplitHighEighths + 4) / 8;
   high = high < 1 ? 1 : (high > n - 1 ? n - 1 : high);
