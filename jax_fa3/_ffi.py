@@ -134,7 +134,7 @@ def flash_bwd_workspace_bytes(b: int, h: int, s_q: int, d: int, deterministic: b
 
 def flash_fwd_fp8_workspace_bytes(b: int, s_q: int, s_k: int, h: int, h_k: int, d: int,
                                   masked: bool, v_transposed: bool) -> int:
-  """The fp8 forward handler's workspace size as C++ computes it (jax_fa3.fp8 mirrors it)."""
+  """Size of the workspace result the fp8 forward handler needs (the formula lives in C++ only)."""
   module, reason = _extension()
   if module is None:
     raise RuntimeError(f"jax_fa3 kernels unavailable: {reason}")

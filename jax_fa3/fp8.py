@@ -433,36 +433,6 @@ def _emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
 KERNEL_HEAD_DIM_BUCKETS = (64, 128, 256)  # cuda/flash_fwd/flash_fwd_fp8.h kFp8HeadDimBuckets
 
 
-KERNEL_BLOCK_N = 128  # keys per K/V block of every fp8 kernel (flash_fwd_fp8.h kFp8BlockN)
-TAIL_SPLIT_MAX_TILES = 66  # flash_fwd_fp8.h kFp8TailSplitMaxTiles
-
-
-def _tail_split_slots(b, s_q, s_k, h, d, masked) -> int:
-  """Workspace slots of the kernel's tail split (cuda/flash_fwd/tail_split.h), two per split tile:
-  none with a mask or a single K/V block per tile, else for up to a third of the tiles
-  (flash_fwd_fp8.h)."""
-  bucket = _kernel_bucket(d)
-  if masked or bucket is None or s_k <= KERNEL_BLOCK_N:
-    return 0
-  block_m = 128 if bucket == 256 else 192  # fp8_default_block_m
-  tiles = -(-s_q // block_m) * h * b
-  return 2 * min(tiles // 3, TAIL_SPLIT_MAX_TILES)
-
-
-def _kernel_workspace_bytes(b, s_q, s_k, h, h_k, d, masked, v_transposed=False) -> int:
-  """The handler's workspace: V transposed (b, h_k, d, s_pad) e4m3 unless v arrives so; the
-  per-key k scales (b, h_k, s_pad) f32, s_pad = s_k rounded up to 32; the tail split's slots
-  (partial O and row statistics of a piece of a 2-CTA tile)
-  (flash_fwd_fp8_workspace_bytes in C++)."""
-  s_pad = -(-s_k // KEY_PAD) * KEY_PAD
-  slots = _tail_split_slots(b, s_q, s_k, h, d, masked)
-  split = 0
-  if slots:
-    bucket = _kernel_bucket(d)
-    split = slots * (128 if bucket == 256 else 192) * (4 * bucket + 32)
-  return max(16, b * h_k * s_pad * ((0 if v_transposed else d) + 4) + split)
-
-
 def _kernel_forward(cfg: Fp8Config, v_transposed: bool = False):
   """The kernel call; v_transposed: v is already in its layout (b, h_k, d, s_pad)."""
   _ffi.ensure_registered()
@@ -471,8 +441,11 @@ def _kernel_forward(cfg: Fp8Config, v_transposed: bool = False):
   def call(q8, k8, v8, q_scale, k_scale, v_scale):
     b, s_q, h, d = q8.shape
     s_k, h_k = k8.shape[1], k8.shape[2]
+    # V transposed unless v arrives so, per-key k scales, the tail split's slots: the size lives
+    # in C++ only (flash_fwd_fp8_workspace_bytes), which the handler checks the buffer against.
     masked = att.window_left >= 0 or att.window_right >= 0
-    workspace = _kernel_workspace_bytes(b, s_q, s_k, h, h_k, d, masked, v_transposed)
+    workspace = max(16, _ffi.flash_fwd_fp8_workspace_bytes(b, s_q, s_k, h, h_k, d, masked,
+                                                          v_transposed))
     result_types = (jax.ShapeDtypeStruct(q8.shape, jnp.bfloat16),
                     jax.ShapeDtypeStruct((b, h, s_q), jnp.float32),
                     # scratch (transposed V, expanded k scales), dropped: XLA allocates it with

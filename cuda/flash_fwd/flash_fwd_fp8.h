@@ -135,7 +135,7 @@ inline int64_t fp8_tail_split_slot_bytes(int bucket) {
 
 // Workspace, in this order: Vt (b, h_k, d, s_pad) e4m3 unless V arrives transposed; the per-key
 // k scales (b, h_k, s_pad) f32; the tail split's slots. Every part is a multiple of 16 bytes.
-// Keep in sync with jax_fa3/fp8.py (_kernel_workspace_bytes).
+// Python asks for it through jax_fa3_flash_fwd_fp8_workspace_bytes (tests/test_fp8.py pins it).
 inline size_t flash_fwd_fp8_workspace_bytes(int64_t b, int64_t s_q, int64_t s_k, int64_t h,
                                             int64_t h_k, int64_t d, bool masked,
                                             bool v_transposed) {
