@@ -338,16 +338,17 @@ def test_reports_emulation_path():
 
 # Workspace = b·h_k·s_pad·(d if V is transposed by the kernel else 0, + 4 for the per-key k
 # scales) + the tail split's slots: 2·min(66, tiles // 3) without a mask and with more than one
-# 128-key block, each block_m·(4·bucket + 32) bytes (block_m 192, 128 at d256).
+# 128-key block, each block_m·(4·bucket + 32) bytes (block_m 192, 128 at d256), then one int
+# ticket per split tile (slots / 2), padded to 16 bytes.
 @pytest.mark.parametrize("b,s_q,s_k,h,h_k,d,masked,v_transposed,expected", [
     (2, 8192, 8192, 16, 16, 128, False, True,  # 1376 tiles: 66 split tiles' slots
-     2 * 16 * 8192 * 4 + 132 * 192 * (4 * 128 + 32)),
+     2 * 16 * 8192 * 4 + 132 * 192 * (4 * 128 + 32) + 272),
     (2, 8192, 8192, 16, 16, 128, True, True, 2 * 16 * 8192 * 4),  # masked: no split
     (1, 700, 777, 42, 21, 64, False, False,  # 168 tiles: a third of them
-     21 * 800 * (64 + 4) + 112 * 192 * (4 * 64 + 32)),
+     21 * 800 * (64 + 4) + 112 * 192 * (4 * 64 + 32) + 224),
     (1, 300, 128, 8, 8, 256, False, False, 8 * 128 * (256 + 4)),  # one K/V block: no split
     (3, 5, 1000, 2, 1, 80, False, False,  # d80 in the 128 bucket, 6 tiles
-     3 * 1024 * (80 + 4) + 4 * 192 * (4 * 128 + 32)),
+     3 * 1024 * (80 + 4) + 4 * 192 * (4 * 128 + 32) + 16),
     (1, 1, 1, 1, 1, 256, False, True, 32 * 4)])
 def test_kernel_workspace_formula(b, s_q, s_k, h, h_k, d, masked, v_transposed, expected):
   # The size lives in C++ only (flash_fwd_fp8_workspace_bytes, which the handler checks the

@@ -202,9 +202,11 @@ def _tail_split_heads(block_m, s_q):
     (128, 2000, 32, 2, True)])
 def test_fp8_tail_split(d, s_k, block_size, h_k_div, v_transposed):
   """The last round's tiles run as two pieces on two CTAs each, the low piece after a row-max
-  pass over the high piece's blocks, and a second kernel merges them: P is quantized as in the
-  whole tile, so the output matches the emulation as closely as unsplit tiles do. Ragged keys (the max pass masks the tail), GQA,
-  grouped and per-key k scales (block_size 100), both V routes, every bucket."""
+  pass over the high piece's blocks, and the CTA that finishes second merges them (its ticket
+  cleared by the pre-kernel in a workspace the poison hook fills with 0xFF): P is quantized as
+  in the whole tile, so the output matches the emulation as closely as unsplit tiles do. Ragged
+  keys (the max pass masks the tail), GQA, grouped and per-key k scales (block_size 100), both V
+  routes, every bucket; _check runs each call twice and requires equal bits."""
   s_q = 700
   h = _tail_split_heads(128 if d == 256 else 192, s_q)
   _check(d + s_k, 1, s_q, s_k, h, h // h_k_div, d, block_size=block_size,

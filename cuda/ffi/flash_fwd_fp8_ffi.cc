@@ -154,7 +154,10 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
   // JAX_FA3_FP8_TAIL_SPLIT=0 runs the last round's tiles whole (for timing the split's gain;
   // the outputs then differ only in the order the fp8 tensor cores accumulate O).
   params.tail_split = !ffi_util::env_flag_is_zero("JAX_FA3_FP8_TAIL_SPLIT");
-  if (const cudaError_t err = ffi_util::poison_if_requested(stream, out, lse); err != cudaSuccess) {
+  // The workspace too: the kernel must not depend on what a previous op left in XLA's scratch
+  // (the tail split's tickets are cleared by its pre-kernel, tail_split.h).
+  if (const cudaError_t err = ffi_util::poison_if_requested(stream, out, lse, workspace);
+      err != cudaSuccess) {
     return ffi_util::from_cuda(err, "flash_fwd_fp8 output poisoning (JAX_FA3_DEBUG_POISON_OUTPUTS)");
   }
   return ffi_util::from_cuda(launch_flash_fwd_fp8(params, stream), "flash_fwd_fp8 kernel launch");

@@ -418,9 +418,9 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     if constexpr (Traits::kTailSplit) {
       // Whether the item is a piece, again from its index (not held in registers through the
       // loop: the empty asm hides that it is the same value). A piece leaves its partial in its
-      // workspace slot for fp8_tail_combine_kernel and runs the epilogue with its writes off (its
-      // barriers and Q-buffer release as usual): a branch that skipped the epilogue made ptxas
-      // spill ~230 bytes inside the main loop of the 192-row d128 kernel.
+      // workspace slot for the merge (merge_if_last_piece, after the loop) and runs the epilogue
+      // with its writes off (its barriers and Q-buffer release as usual): a branch that skipped
+      // the epilogue made ptxas spill ~230 bytes inside the main loop of the 192-row d128 kernel.
       int index_again = index;
       asm volatile("" : "+r"(index_again));
       const int first_piece = p.scheduler.num_tiles - p.scheduler.num_split_tiles;
@@ -443,6 +443,8 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   pingpong.finish();
   // The last tile's TMA store of O must have read shared memory before the CTA exits.
   if (early_q_release && thread_idx == 0) tma_store_wait<0>();
+  // Last, so that nothing is live across the (not inlined) call.
+  if constexpr (Traits::kTailSplit) merge_if_last_piece<Traits>(p, &ss.tail_ticket, thread_idx);
 }
 
 }  // namespace jax_fa3::fwd

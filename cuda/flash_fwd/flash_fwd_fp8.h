@@ -133,8 +133,12 @@ inline int64_t fp8_tail_split_slot_bytes(int bucket) {
   return int64_t(fp8_default_block_m(bucket)) * (4 * bucket + 32);
 }
 
+// The split tiles' tickets (one int each, tail_split.h), padded to 16 bytes.
+inline int64_t fp8_tail_split_ticket_bytes(int64_t slots) { return (slots / 2 * 4 + 15) / 16 * 16; }
+
 // Workspace, in this order: Vt (b, h_k, d, s_pad) e4m3 unless V arrives transposed; the per-key
-// k scales (b, h_k, s_pad) f32; the tail split's slots. Every part is a multiple of 16 bytes.
+// k scales (b, h_k, s_pad) f32; the tail split's slots, then its tickets. Every part is a
+// multiple of 16 bytes.
 // Python asks for it through jax_fa3_flash_fwd_fp8_workspace_bytes (tests/test_fp8.py pins it).
 inline size_t flash_fwd_fp8_workspace_bytes(int64_t b, int64_t s_q, int64_t s_k, int64_t h,
                                             int64_t h_k, int64_t d, bool masked,
@@ -142,7 +146,9 @@ inline size_t flash_fwd_fp8_workspace_bytes(int64_t b, int64_t s_q, int64_t s_k,
   const int64_t s_pad = flash_fwd_fp8_key_pad(s_k);
   const int64_t slots = fp8_tail_split_slots(b, s_q, s_k, h, d, masked);
   const int64_t split_bytes =
-      slots == 0 ? 0 : slots * fp8_tail_split_slot_bytes(fp8_head_dim_bucket(int(d)));
+      slots == 0 ? 0
+                 : slots * fp8_tail_split_slot_bytes(fp8_head_dim_bucket(int(d))) +
+                       fp8_tail_split_ticket_bytes(slots);
   return static_cast<size_t>(b * h_k * s_pad * ((v_transposed ? 0 : d) + 4) + split_bytes);
 }
 

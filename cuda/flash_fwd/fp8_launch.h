@@ -61,26 +61,6 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   JAX_FA3_RETURN_IF_CUDA_ERROR(cudaGetDevice(&device));
   JAX_FA3_RETURN_IF_CUDA_ERROR(
       cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  const int num_k_blocks = (p.s_k + p.block_size - 1) / p.block_size;
-  if (!no_keys && p.v_transposed) {
-    const int64_t num_columns = int64_t(p.b) * p.h_k * s_pad;
-    const int64_t grid = (num_columns + kKeyColumnThreads - 1) / kKeyColumnThreads;
-    if (grid > INT32_MAX) return cudaErrorInvalidValue;
-    fp8_key_column_scales_kernel<<<static_cast<unsigned>(grid), kKeyColumnThreads, 0, stream>>>(
-        p.k_scale, k_col, p.s_k, s_pad, p.block_size, num_k_blocks, num_columns);
-    JAX_FA3_RETURN_IF_LAUNCH_ERROR();
-  } else if (!no_keys) {
-    const int num_key_tiles = (s_pad + kVtTileKeys - 1) / kVtTileKeys;
-    const int num_dim_tiles = (p.d + kVtTileDims - 1) / kVtTileDims;
-    const int num_tiles = num_key_tiles * num_dim_tiles * p.b * p.h_k;
-    const int grid = std::min(num_tiles, kVtCtasPerSm * num_sms);
-    fp8_transpose_v_kernel<<<grid, kVtThreads, 0, stream>>>(
-        static_cast<const uint8_t*>(p.v), p.k_scale, static_cast<uint8_t*>(p.workspace), k_col,
-        p.s_k, p.h_k, p.d, s_pad, p.block_size, num_k_blocks, num_key_tiles, num_dim_tiles,
-        num_tiles);
-    JAX_FA3_RETURN_IF_LAUNCH_ERROR();
-  }
-
   // With s_k == 0 no K/V block is ever loaded (every row is empty: O = 0, LSE = +inf), so the K
   // and Vt descriptors over Q's memory with tiny extents are never dereferenced.
   const auto* q = static_cast<const Element*>(p.q);
@@ -117,6 +97,7 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   extra.early_q_release = fp8_early_q_release(kHeadDim, Traits::kBlockM, p);
   extra.scale_log2 = scalars.scale_log2;  // softmax_scale * log2(e) (no softcap in fp8)
   extra.tail_partials = split_partials;
+  extra.out = p.o;
 
   Params params{
       extra,
@@ -145,18 +126,36 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
     params.scheduler.set_tail_split(split);
   }
 
+  // The pre-kernel (V's transpose and the per-key k scales, or the k scales only) also clears
+  // the split tiles' tickets; the main kernel follows it on the stream.
+  int* tail_tickets =
+      split > 0 ? TailSlotLayout<kHeadDim, Traits::kBlockM>::tickets(split_partials, split) : nullptr;
+  const int num_k_blocks = (p.s_k + p.block_size - 1) / p.block_size;
+  if (!no_keys && p.v_transposed) {
+    const int64_t num_columns = int64_t(p.b) * p.h_k * s_pad;
+    const int64_t column_grid = (num_columns + kKeyColumnThreads - 1) / kKeyColumnThreads;
+    if (column_grid > INT32_MAX) return cudaErrorInvalidValue;
+    fp8_key_column_scales_kernel<<<static_cast<unsigned>(column_grid), kKeyColumnThreads, 0,
+                                   stream>>>(p.k_scale, k_col, p.s_k, s_pad, p.block_size,
+                                             num_k_blocks, num_columns, tail_tickets, split);
+    JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+  } else if (!no_keys) {
+    const int num_key_tiles = (s_pad + kVtTileKeys - 1) / kVtTileKeys;
+    const int num_dim_tiles = (p.d + kVtTileDims - 1) / kVtTileDims;
+    const int num_tiles = num_key_tiles * num_dim_tiles * p.b * p.h_k;
+    const int vt_grid = std::min(num_tiles, kVtCtasPerSm * num_sms);
+    fp8_transpose_v_kernel<<<vt_grid, kVtThreads, 0, stream>>>(
+        static_cast<const uint8_t*>(p.v), p.k_scale, static_cast<uint8_t*>(p.workspace), k_col,
+        p.s_k, p.h_k, p.d, s_pad, p.block_size, num_k_blocks, num_key_tiles, num_dim_tiles,
+        num_tiles, tail_tickets, split);
+    JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+  }
+
   auto* kernel = &flash_fwd_kernel<Traits>;
   JAX_FA3_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
   kernel<<<grid, Traits::kNumThreads, Traits::kSmemBytes, stream>>>(params);
   JAX_FA3_RETURN_IF_LAUNCH_ERROR();
-  if (split > 0) {
-    const TailCombineParams combine{split_partials, static_cast<__nv_bfloat16*>(p.o), p.lse,
-                                    p.v_scale, params.scheduler, p.s_q, p.h, p.h_k, p.d};
-    fp8_tail_combine_kernel<kHeadDim, Traits::kBlockM>
-        <<<dim3(split, Traits::kBlockM / 64), 128, 0, stream>>>(combine);
-    JAX_FA3_RETURN_IF_LAUNCH_ERROR();
-  }
   return cudaSuccess;
 }
 

@@ -160,6 +160,7 @@ struct Fp8KernelTraits {
     uint64_t k_empty[kStages];
     uint64_t v_full[kStages];
     uint64_t v_empty[kStages];
+    int tail_ticket;  // the tail split's ticket, broadcast to the consumers (tail_split.h)
   };
   // O has its own buffer (bf16: twice Q's fp8 bytes), so Q's buffer may be released after a
   // tile's last S GEMM (consumer.h); whether it is, is chosen per call (KernelParams::

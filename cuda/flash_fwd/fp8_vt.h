@@ -2,7 +2,7 @@
 // contiguous and permuted inside each group of 32 (fp8_layout.h), zero for keys >= s_k; and the
 // per-key k scale k_col (b, h_k, s_pad) f32 = k_scale[b, h_k, key / block_size] (1 past s_k: any
 // positive value, the consumer masks those keys), so the consumer loads one float per column or
-// per 32-key group without a division.
+// per 32-key group without a division; and the tail split's tickets cleared.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -11,6 +11,13 @@
 #include "flash_fwd/fp8_vt_store.h"
 
 namespace jax_fa3::fwd {
+
+// The tail split's tickets (tail_split.h, merge_if_last_piece) start at 0 in every call: the
+// workspace is XLA scratch with whatever a previous op left there. Block 0 of the pre-kernel,
+// which runs before the main kernel on the stream, clears them (at most kFp8TailSplitMaxTiles).
+__device__ __forceinline__ void zero_tail_tickets(int* tickets, int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) tickets[i] = 0;
+}
 
 // A tile: 128 keys (four permutation groups) x 128 dims of one (batch, kv head).
 constexpr int kVtTileKeys = 128;
@@ -36,11 +43,13 @@ static __global__ void __launch_bounds__(kVtThreads)
     fp8_transpose_v_kernel(const uint8_t* __restrict__ v, const float* __restrict__ k_scale,
                            uint8_t* __restrict__ vt, float* __restrict__ k_col, int s_k, int h_k,
                            int d, int s_pad, int block_size, int num_k_blocks, int num_key_tiles,
-                           int num_dim_tiles, int num_tiles) {
+                           int num_dim_tiles, int num_tiles, int* __restrict__ tail_tickets,
+                           int num_tail_tickets) {
   constexpr int kChunksPerKey = kVtTileDims / 16;
   constexpr int kLoadsPerThread = kVtTileKeys * kChunksPerKey / kVtThreads;
   __shared__ __align__(16) uint32_t tile[kVtTileKeys][kVtTileDims / 4];
   const int t = threadIdx.x;
+  if (blockIdx.x == 0) zero_tail_tickets(tail_tickets, num_tail_tickets);
   const int chunk = t % kChunksPerKey;
   struct Coord {
     int bh, key0, d0;
@@ -104,7 +113,9 @@ constexpr int kKeyColumnThreads = 256;
 static __global__ void __launch_bounds__(kKeyColumnThreads)
     fp8_key_column_scales_kernel(const float* __restrict__ k_scale, float* __restrict__ k_col,
                                  int s_k, int s_pad, int block_size, int num_k_blocks,
-                                 int64_t num_columns) {
+                                 int64_t num_columns, int* __restrict__ tail_tickets,
+                                 int num_tail_tickets) {
+  if (blockIdx.x == 0) zero_tail_tickets(tail_tickets, num_tail_tickets);
   const int64_t i = int64_t(blockIdx.x) * kKeyColumnThreads + threadIdx.x;
   if (i < num_columns) {
     k_col[i] = fp8_key_column_scale(k_scale, i / s_pad, static_cast<int>(i % s_pad), s_k,

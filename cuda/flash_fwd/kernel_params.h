@@ -41,6 +41,10 @@ template <> struct ExtraParams<true> {
   int early_q_release;       // release Q's buffer after each tile's last S GEMM (flash_fwd_fp8.h)
   float scale_log2;          // softmax_scale * log2(e)
   float* tail_partials;      // the split tiles' pieces (tail_split.h; scheduler.num_split_tiles)
+  // O (b, s_q, h, d) bf16: the tail merge writes split tiles directly. One field only: a second
+  // one pushed the TMA descriptors after this struct to the next 64-byte boundary, and ptxas then
+  // spilled 8 bytes in the 128-row d128 kernel (no tail split in it).
+  void* out;
 };
 
 // V's tile: (kBlockN keys, d) for bf16/fp16; the fp8 kernel loads V^T tiles (d, kBlockN keys)

@@ -1,7 +1,7 @@
 // Tail split of the persistent grid (fp8 kernels in the plain order, no mask): the tiles of the
 // last, partial round run as two pieces each on two CTAs; each piece writes its partial O and row
-// statistics to the workspace, and a small kernel after the main one merges the two and writes
-// the tile's O and LSE (tile_scheduler.h says which items are pieces).
+// statistics to the workspace, and the CTA that finishes second merges the two and writes the
+// tile's O and LSE (tile_scheduler.h says which items are pieces).
 //
 // Why: without a mask every tile costs the same, so a last round of L < gridDim.x tiles keeps
 // gridDim.x - L CTAs idle for a whole tile time (d128 8k, 16k tokens, 16 heads on 132 SMs: 1376
@@ -18,16 +18,20 @@
 // move, a few by several bf16 steps; float64 row errors the same, benchmarks/RESULTS.md), plus
 // float32 rounding (one exp2 rescales the high partial instead of a product of per-block factors).
 //
-// Why a second kernel rather than the last piece to finish merging in place (tried first): that
-// merge path (ticket, wait, loads) made ptxas spill 16-20 bytes of loop invariants of the 192-row
-// d128 kernel into its main loop; the write-only path leaves it without spills.
+// Where the merge runs: in the main kernel, by whichever CTA finishes its piece second, after its
+// persistent loop (merge_if_last_piece). A first build merged inside the loop's epilogue, and
+// ptxas spilled 16-20 bytes of loop invariants of the 192-row d128 kernel into the main loop; a
+// second one used a separate merge kernel, which cost as much as the split gained (ncu, H200,
+// d128 8k: main kernel 1.21 ms vs 1.24 ms unsplit, merge kernel 12.5 us plus the launch gap).
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cute/tensor.hpp>
 
+#include "flash_fwd/barriers.h"
 #include "flash_fwd/block_info.h"
 #include "flash_fwd/fp8_softmax.h"
 #include "flash_fwd/params.h"
@@ -105,11 +109,20 @@ struct TailSlotLayout {
   static constexpr int kThreads = 2 * kBlockM;  // 128 consumer threads per 64 rows
   static constexpr int kVectors = kHeadDim / 8;  // O fragment: kHeadDim / 2 floats per thread
   static constexpr int64_t kFloat4s = int64_t(kVectors + 1) * kThreads;
-  __host__ __device__ static float4* o(float* partials, int slot) {
-    return reinterpret_cast<float4*>(partials) + slot * kFloat4s;
+  // T: float (the pieces write) or const float (the merge reads).
+  template <class T>
+  __host__ __device__ static auto* o(T* partials, int slot) {
+    using Vec = std::conditional_t<std::is_const_v<T>, const float4, float4>;
+    return reinterpret_cast<Vec*>(partials) + slot * kFloat4s;
   }
-  __host__ __device__ static float4* stats(float* partials, int slot) {
+  template <class T>
+  __host__ __device__ static auto* stats(T* partials, int slot) {
     return o(partials, slot) + kVectors * kThreads;
+  }
+  // The tickets (one int per split tile) follow the 2L slots of a call with L split tiles, inside
+  // the workspace's ticket area (flash_fwd_fp8_workspace_bytes sizes it after the most slots).
+  __host__ __device__ static int* tickets(float* partials, int split_tiles) {
+    return reinterpret_cast<int*>(o(partials, 2 * split_tiles));
   }
 };
 
@@ -130,34 +143,26 @@ __device__ __forceinline__ void write_tail_piece(float* partials, int slot, Frag
       make_float4(softmax.row_max[0], softmax.row_max[1], softmax.row_sum[0], softmax.row_sum[1]);
 }
 
-struct TailCombineParams {
-  const float* partials;
-  __nv_bfloat16* o;      // (b, s_q, h, d)
-  float* lse;            // (b, h, s_q)
-  const float* v_scale;  // (b, h_k)
-  TileScheduler scheduler;
-  int s_q, h, h_k, d;
-};
-
-// a * fa + b * fb as two rounded products and a sum (no contraction), the same for every tile.
+// a * fa + b * fb as two rounded products and a sum (no contraction): the merge gives the same
+// bits whichever of the two CTAs runs it.
 __device__ __forceinline__ float merge_terms(float a, float fa, float b, float fb) {
   return __fadd_rn(__fmul_rn(a, fa), __fmul_rn(b, fb));
 }
 
-// Grid (L, kBlockM / 64), 128 threads: block (j, w) merges rows 64w.. of split tile j, thread t
-// taking over what consumer thread 128w + t held in both pieces (same fragment layout, so the
-// quad sums of finalize() pair the same lanes). Then O = merged O * v_scale / (2^8 * row sum) in
-// bf16, rounded as the main kernel's epilogue rounds, and the LSE.
-template <int kHeadDim, int kBlockM>
-__global__ void __launch_bounds__(128) fp8_tail_combine_kernel(const TailCombineParams p) {
+// The merge of split tile `tile` (0..L-1), run by the consumer threads (thread_idx 0..2*kBlockM-1)
+// of whichever CTA finished its piece second: thread t takes over what consumer thread t held in
+// both pieces (same fragment layout, so the quad sums of finalize() pair the same lanes). O =
+// merged O * v_scale / (2^8 * row sum) in bf16, rounded as the epilogue rounds, and the LSE,
+// straight to global memory. The partials are read past L1 (__ldcg): the other CTA wrote them.
+template <int kHeadDim, int kBlockM, class Params>
+__device__ __forceinline__ void merge_tail_tile(const Params& p, int tile, const TileCoord& c,
+                                                int thread_idx) {
   using Layout = TailSlotLayout<kHeadDim, kBlockM>;
+  const FlashFwdScalars& sc = p.s;
   const int split_tiles = p.scheduler.num_split_tiles;
-  const int tile = blockIdx.x;
-  const int thread_idx = 128 * blockIdx.y + threadIdx.x;
-  const TileCoord c = p.scheduler.coord(p.scheduler.num_tiles - split_tiles + tile, 1);
-  float* partials = const_cast<float*>(p.partials);
-  const float4 high = __ldg(Layout::stats(partials, tile) + thread_idx);
-  const float4 low = __ldg(Layout::stats(partials, split_tiles + tile) + thread_idx);
+  const float* partials = p.tail_partials;
+  const float4 high = __ldcg(Layout::stats(partials, tile) + thread_idx);
+  const float4 low = __ldcg(Layout::stats(partials, split_tiles + tile) + thread_idx);
   const float high_max[2] = {high.x, high.y}, low_max[2] = {low.x, low.y};
   const float high_sum[2] = {high.z, high.w}, low_sum[2] = {low.z, low.w};
   Fp8OnlineSoftmax<1, false> merged;
@@ -171,41 +176,77 @@ __global__ void __launch_bounds__(128) fp8_tail_combine_kernel(const TailCombine
     low_factor[r] = exp2f(low_max[r] - base);
     merged.row_sum[r] = merge_terms(high_sum[r], high_factor[r], low_sum[r], low_factor[r]);
   }
-  const int kv_head = c.head / (p.h / p.h_k);
+  const int kv_head = c.head / (sc.h / sc.h_k);
   float inv_sum[2], lse[2];
-  merged.finalize(__ldg(p.v_scale + int64_t(c.batch) * p.h_k + kv_head), inv_sum, lse);
+  merged.finalize(__ldg(p.v_scale + int64_t(c.batch) * sc.h_k + kv_head), inv_sum, lse);
 
-  const FragCoord fc = FragCoord::of_thread(threadIdx.x);
-  const int row0 = c.m_block * kBlockM + 64 * blockIdx.y + fc.row0;
+  const FragCoord fc = FragCoord::of_thread(thread_idx % 128);
+  const int row0 = c.m_block * kBlockM + 64 * (thread_idx / 128) + fc.row0;
   const float4* high_o = Layout::o(partials, tile) + thread_idx;
   const float4* low_o = Layout::o(partials, split_tiles + tile) + thread_idx;
+  auto* out = static_cast<__nv_bfloat16*>(p.out);
 #pragma unroll 4
   for (int v = 0; v < Layout::kVectors; ++v) {
-    const float4 a = __ldg(high_o + v * Layout::kThreads);
-    const float4 b = __ldg(low_o + v * Layout::kThreads);
+    const float4 a = __ldcg(high_o + v * Layout::kThreads);
+    const float4 b = __ldcg(low_o + v * Layout::kThreads);
     const float hv[4] = {a.x, a.y, a.z, a.w}, lv[4] = {b.x, b.y, b.z, b.w};
     const int col = fc.col0 + 8 * v;  // frag_col of element 4v (and 4v + 1 next to it)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // elements 4v + 2r, 4v + 2r + 1: row r, columns col, col + 1
       const int row = row0 + 8 * r;
-      if (row >= p.s_q || col >= p.d) continue;
-      float out[2];
+      if (row >= sc.s_q || col >= sc.d) continue;
+      float o[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        out[e] = merge_terms(hv[2 * r + e], high_factor[r], lv[2 * r + e], low_factor[r]) *
-                 inv_sum[r];
+        o[e] = merge_terms(hv[2 * r + e], high_factor[r], lv[2 * r + e], low_factor[r]) *
+               inv_sum[r];
       }
-      const int64_t at = ((int64_t(c.batch) * p.s_q + row) * p.h + c.head) * p.d + col;
-      *reinterpret_cast<__nv_bfloat162*>(p.o + at) = __floats2bfloat162_rn(out[0], out[1]);
+      const int64_t at = ((int64_t(c.batch) * sc.s_q + row) * sc.h + c.head) * sc.d + col;
+      *reinterpret_cast<__nv_bfloat162*>(out + at) = __floats2bfloat162_rn(o[0], o[1]);
     }
   }
-  if (threadIdx.x % 4 == 0) {
-    float* lse_row = p.lse + (int64_t(c.batch) * p.h + c.head) * p.s_q;
+  if (thread_idx % 4 == 0) {
+    float* lse_row = sc.lse + (int64_t(c.batch) * sc.h + c.head) * sc.s_q;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      if (row0 + 8 * r < p.s_q) lse_row[row0 + 8 * r] = lse[r];
+      if (row0 + 8 * r < sc.s_q) lse_row[row0 + 8 * r] = lse[r];
     }
   }
+}
+
+// After a CTA's last work item (consumer threads only, thread_idx 0..2*kBlockM-1): if that item
+// was a piece of a split tile, the CTA takes the tile's ticket; the CTA that finds the other piece
+// already done merges the two. One atomic per piece: no CTA ever waits for another, so the merge
+// needs no co-residency. The tickets (TailSlotLayout::tickets) are zeroed by the pre-kernel that
+// runs before the main kernel on the stream (fp8_vt.h).
+// ticket_smem: one int of shared memory to broadcast the ticket.
+// Not inlined: as inlined code after the persistent loop it changed ptxas's register allocation
+// of the loop itself (32 bytes spilled in the 192-row d128 kernel: a reload before each S GEMM).
+template <class Traits, class Params>
+__device__ __noinline__ void merge_if_last_piece(const Params& p, int* ticket_smem,
+                                                    int thread_idx) {
+  const TileScheduler& sched = p.scheduler;
+  const int split_tiles = sched.num_split_tiles;
+  if (split_tiles == 0) return;
+  const int items = sched.num_work_items;
+  if (int(blockIdx.x) >= items) return;
+  const int last = blockIdx.x + (items - 1 - blockIdx.x) / gridDim.x * gridDim.x;
+  const int first_piece = sched.num_tiles - split_tiles;
+  if (last < first_piece) return;
+  const int tile = (last - first_piece) % split_tiles;
+  constexpr int kThreads = Traits::kNumConsumerThreads;
+  // Every thread's partial stores (write_tail_piece) are visible device-wide before the ticket.
+  __threadfence();
+  named_barrier_sync(kBarrierConsumers, kThreads);
+  if (thread_idx == 0) {
+    using Layout = TailSlotLayout<Traits::kHeadDim, Traits::kBlockM>;
+    *ticket_smem = atomicAdd(Layout::tickets(p.tail_partials, split_tiles) + tile, 1);
+  }
+  named_barrier_sync(kBarrierConsumers, kThreads);
+  if (*ticket_smem != 1) return;
+  __threadfence();  // the other piece's stores, published before its ticket, are seen after it
+  merge_tail_tile<Traits::kHeadDim, Traits::kBlockM>(
+      p, tile, sched.coord(first_piece + tile, gridDim.x), thread_idx);
 }
 
 }  // namespace jax_fa3::fwd
