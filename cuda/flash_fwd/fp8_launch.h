@@ -128,8 +128,8 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
 
   // The pre-kernel (V's transpose and the per-key k scales, or the k scales only) also clears
   // the split tiles' tickets; the main kernel follows it on the stream.
-  int* tail_tickets =
-      split > 0 ? TailSlotLayout<kHeadDim, Traits::kBlockM>::tickets(split_partials, split) : nullptr;
+  using SlotLayout = TailSlotLayout<kHeadDim, Traits::kBlockM>;
+  int* tail_tickets = split > 0 ? SlotLayout::tickets(split_partials, split) : nullptr;
   const int num_k_blocks = (p.s_k + p.block_size - 1) / p.block_size;
   if (!no_keys && p.v_transposed) {
     const int64_t num_columns = int64_t(p.b) * p.h_k * s_pad;

@@ -224,7 +224,7 @@ __device__ __forceinline__ void merge_tail_tile(const Params& p, int tile, const
 // of the loop itself (32 bytes spilled in the 192-row d128 kernel: a reload before each S GEMM).
 template <class Traits, class Params>
 __device__ __noinline__ void merge_if_last_piece(const Params& p, int* ticket_smem,
-                                                    int thread_idx) {
+                                                 int thread_idx) {
   const TileScheduler& sched = p.scheduler;
   const int split_tiles = sched.num_split_tiles;
   if (split_tiles == 0) return;

@@ -6,8 +6,9 @@
 // Tail split (fp8 kernels without a mask, tail_split.h): when the last round holds L tiles and
 // 2L <= gridDim.x, so that all but L CTAs would idle through it, each of those L tiles runs as two
 // pieces on two CTAs (the high piece takes the top K/V blocks, the low piece the rest), and the
-// CTA that finishes its piece second merges the two partials. Items [num_tiles - L, num_tiles + L) are the pieces, in
-// workspace slot order: high pieces first (CTAs 0..L-1 of the last round), then low (L..2L-1).
+// CTA that finishes its piece second merges the two partials. Items [num_tiles - L,
+// num_tiles + L) are the pieces, in workspace slot order: high pieces first (CTAs 0..L-1 of the
+// last round), then low (L..2L-1).
 #pragma once
 #include <cstdint>
 
