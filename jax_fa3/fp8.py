@@ -24,10 +24,13 @@ path emulates: same e4m3 rounding, same blocks, same scales):
    visited last tile first, as the kernel does (P is quantized relative to the running max, so the
    tile order changes which e4m3 values P rounds to: in another order the output differs by ~3%
    RMS, the size of the fp8 error itself),
-   P = exp(S - running max) computed in the exp2 domain as the kernel does. P is quantized as
-   e4m3(2^8 · P): P ∈ [0, 1] is shifted by FlashAttention-3's `Max_offset = 8` so that it uses
-   e4m3's range [2^-9, 448] (P below 2^-18 rounds to zero, below 2^-14 is subnormal) — no
-   per-row or per-tile scale is needed because the shift is an exact power of two. The row sum is
+   P = exp(S - running max) computed in the exp2 domain as the kernel does. The running max is
+   lazy (`LAZY_MAX_MARGIN_LOG2`): a row's max moves to a key tile's larger maximum only if that
+   exceeds it by more than 0.8 in log2 units, so that the kernel rescales O on jumps only (the
+   row's P, relative to the stale max, is then at most 2^0.8). P is quantized as e4m3(2^8 · P):
+   P ∈ [0, 2^0.8] is shifted by FlashAttention-3's `Max_offset = 8` so that it uses e4m3's range
+   [2^-9, 445.7] (P below 2^-18 rounds to zero, below 2^-14 is subnormal) — no per-row or
+   per-tile scale is needed because the shift is an exact power of two. The row sum is
    accumulated from the float32 P before quantization (as FA3 does).
 5. O = (Σ P8 · v8) · v_scale / (2^8 · row sum), accumulated in float32, rounded to bfloat16 (the
    kernel's output type), then cast to q's dtype. LSE is float32, natural log, of the descaled
@@ -74,6 +77,10 @@ from jax_fa3.hadamard import hadamard_transform
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
 P_OFFSET_LOG2 = 8  # FA3's Max_offset for fp8: P is quantized as e4m3(2^8 · P)
+# Lazy running max (log2 units; cuda/flash_fwd/fp8_softmax.h kFp8LazyMaxMarginLog2): a row's max
+# moves only when a key tile's scores exceed it by more than this, so P <= 2^0.8 and
+# 2^8 · P <= 445.7 < 448: e4m3's range still holds it.
+LAZY_MAX_MARGIN_LOG2 = 0.8
 DEFAULT_BLOCK_SIZE = 64
 EMULATION_TILE_K = 128
 FP8_INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -406,13 +413,15 @@ def _emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
     visible = _visible(s_q, s_k, att.window_left, att.window_right, tile_index * block_k,
                        block_k)
     scores = jnp.where(visible, scores, -jnp.inf)
-    new_max = jnp.maximum(row_max, scores.max(axis=-1))
+    tile_max = jnp.maximum(row_max, scores.max(axis=-1))
+    # The lazy max: kept unless exceeded by more than the margin (-inf - -inf is NaN: kept).
+    new_max = jnp.where(tile_max - row_max > f32(LAZY_MAX_MARGIN_LOG2), tile_max, row_max)
     # A row that has seen nothing yet has max -inf: shift by 0 so exp2(-inf - shift) = 0.
     shift = jnp.where(jnp.isneginf(new_max), 0.0, new_max)
     rescale = jnp.exp2(row_max - shift)
     probs = jnp.exp2(scores - shift[..., None])
     row_sum = row_sum * rescale + probs.sum(axis=-1)  # from the unquantized P, as FA3
-    probs8 = _to_e4m3(probs * p_offset).astype(f32)  # e4m3(2^8 · P), P <= 1
+    probs8 = _to_e4m3(probs * p_offset).astype(f32)  # e4m3(2^8 · P), P <= 2^0.8
     acc = acc * rescale[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", probs8, v_tile,
                                                precision=_HIGHEST)
     return (new_max, row_sum, acc), None

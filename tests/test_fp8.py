@@ -84,9 +84,18 @@ def test_quantize_scales_and_rounding_are_exact():
 # Forward numerics
 # ---------------------------------------------------------------------------------------------
 
-def _dense_emulation(q, k, v, *, softmax_scale, block_size, signs=None, window_right=-1):
-  """Independent NumPy/ml_dtypes model of the kernel's numerics with a single key tile (so the
-  running max is the row max): rotate, quantize, exact e4m3 products, e4m3(2^8 · P)."""
+def _emulation_device():
+  """The model tests below check the pure-JAX emulation itself, so they run it on the CPU backend
+  on every machine; on a Hopper GPU tests/test_gpu_fp8.py checks the kernel against it."""
+  return jax.default_device(jax.devices("cpu")[0])
+
+
+def _dense_emulation(q, k, v, *, softmax_scale, block_size, signs=None, window_right=-1,
+                     tile_k=None, margin=fp8.LAZY_MAX_MARGIN_LOG2):
+  """Independent NumPy/ml_dtypes model of the kernel's numerics: rotate, quantize, exact e4m3
+  products, e4m3(2^8 · P). tile_k=None: a single key tile (so the running max is the row max);
+  otherwise an online softmax over key tiles of tile_k, last tile first, whose running max moves
+  only when a tile's scores exceed it by more than `margin` (log2 units)."""
   e4m3 = ml_dtypes.float8_e4m3fn
 
   def quant(x, block):
@@ -117,24 +126,70 @@ def _dense_emulation(q, k, v, *, softmax_scale, block_size, signs=None, window_r
   if window_right >= 0:
     scores = np.where(np.arange(s_k)[None] <= np.arange(s_q)[:, None] + s_k - s_q + window_right,
                       scores, -np.inf)
-  probs = np.exp(scores - scores.max(-1, keepdims=True))
-  probs8 = (probs * 256).astype(np.float32).astype(e4m3).astype(np.float64)
-  out = np.einsum("bhqk,bkhd->bqhd", probs8, rep(v8).astype(np.float64))
-  return out * rep(vs)[:, 0:1, :, :] / (256 * np.einsum("bhq->bqh", probs.sum(-1))[..., None])
+  offset = 2.0 ** fp8.P_OFFSET_LOG2
+  if tile_k is None:
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs8 = (probs * offset).astype(np.float32).astype(e4m3).astype(np.float64)
+    out = np.einsum("bhqk,bkhd->bqhd", probs8, rep(v8).astype(np.float64))
+    return out * rep(vs)[:, 0:1, :, :] / (offset * np.einsum("bhq->bqh", probs.sum(-1))[..., None])
+  scores = scores * np.log2(np.e)  # the kernel's exp2 domain
+  row_max = np.full(scores.shape[:-1], -np.inf)
+  row_sum = np.zeros(scores.shape[:-1])
+  acc = np.zeros(scores.shape[:-1] + (v.shape[-1],))
+  with np.errstate(invalid="ignore"):  # -inf - -inf: a row that has seen no key yet
+    for start in reversed(range(0, s_k, tile_k)):
+      tile = scores[..., start:start + tile_k]
+      tile_max = np.maximum(row_max, tile.max(-1))
+      new_max = np.where(tile_max - row_max > margin, tile_max, row_max)
+      shift = np.where(np.isneginf(new_max), 0.0, new_max)
+      rescale = np.exp2(row_max - shift)
+      probs = np.exp2(tile - shift[..., None])
+      row_sum = row_sum * rescale + probs.sum(-1)
+      probs8 = (probs * offset).astype(np.float32).astype(e4m3).astype(np.float64)
+      acc = acc * rescale[..., None] + np.einsum("bhqk,bkhd->bhqd", probs8,
+                                                 rep(v8)[:, start:start + tile_k])
+      row_max = new_max
+  out = np.einsum("bhqd->bqhd", acc / (offset * row_sum[..., None]))
+  return out * rep(vs)[:, 0:1, :, :]
 
 
 @pytest.mark.parametrize("incoherent,causal", [(False, False), (True, True)])
 def test_emulation_matches_independent_model(incoherent, causal):
   q, k, v = _normal(2, (2, 70, 4, 32), (2, 90, 2, 32), (2, 90, 2, 32))
   signs = jnp.asarray(np.random.default_rng(3).choice([-1.0, 1.0], 32), jnp.float32)
-  out = flash_attention_fp8(q, k, v, causal=causal, incoherent=incoherent, block_size=16,
-                            signs=signs if incoherent else None)
-  model = _dense_emulation(q, k, v, softmax_scale=32**-0.5, block_size=16,
-                           signs=signs if incoherent else None, window_right=0 if causal else -1)
+  with _emulation_device():  # the model's rotation too: the GPU's Hadamard pass rounds differently
+    out = flash_attention_fp8(q, k, v, causal=causal, incoherent=incoherent, block_size=16,
+                              signs=signs if incoherent else None)
+    model = _dense_emulation(q, k, v, softmax_scale=32**-0.5, block_size=16,
+                             signs=signs if incoherent else None, window_right=0 if causal else -1)
   # s_k = 90 < 128 keys: one tile, so the model's P is the kernel's P; what remains is float32
   # vs float64 arithmetic (rarely flipping an e4m3 rounding of P) and the bf16 output rounding.
   assert _rmse(out, model) < 2e-3 * np.sqrt(np.mean(model**2))
   np.testing.assert_allclose(np.asarray(out, np.float64), model, atol=0.02, rtol=0.02)
+
+
+def test_emulation_lazy_max_matches_tiled_model():
+  # Three key tiles (300 keys, visited last first) whose scores grow tile by tile, so that rows'
+  # maxima jump by amounts on both sides of the lazy margin: the emulation must keep or move each
+  # row's max exactly as the model (and the kernel) does. P is quantized relative to that max, so
+  # keeping a max that should move (or the reverse) changes the output by ~1e-2 of its size.
+  q, k, v = _normal(9, (1, 64, 2, 32), (1, 300, 2, 32), (1, 300, 2, 32), dtype=jnp.float32)
+  growth = np.repeat(np.array([1.6, 1.2, 1.0]), [128, 128, 44])[None, :, None, None]
+  k = jnp.asarray(np.asarray(k) * growth, jnp.float32)
+  with _emulation_device():
+    out = np.asarray(flash_attention_fp8(q, k, v, incoherent=False, block_size=16), np.float64)
+  kwargs = dict(softmax_scale=32**-0.5, block_size=16, tile_k=fp8.EMULATION_TILE_K)
+  lazy = _dense_emulation(q, k, v, **kwargs)
+  exact = _dense_emulation(q, k, v, **kwargs, margin=0.0)
+  # The model's max moved in some rows and stayed in others (between 0 and the margin).
+  scores = np.einsum("bqhd,bkhd->bhqk", *_f64(q, k)) * 32**-0.5 * np.log2(np.e)
+  first = scores[..., 256:].max(-1)
+  jump = np.maximum(first, scores[..., 128:256].max(-1)) - first
+  assert np.sum((jump > 0) & (jump <= fp8.LAZY_MAX_MARGIN_LOG2)) > 10
+  assert np.sum(jump > fp8.LAZY_MAX_MARGIN_LOG2) > 10
+  rms = np.sqrt(np.mean(lazy**2))
+  assert _rmse(out, lazy) < 3e-3 * rms  # float32 vs float64, bf16 output rounding (~1e-3)
+  assert _rmse(out, exact) > 3 * _rmse(out, lazy)
 
 
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (20, 5))])
