@@ -93,9 +93,9 @@ def _emulation_device():
 def _dense_emulation(q, k, v, *, softmax_scale, block_size, signs=None, window_right=-1,
                      tile_k=None, margin=fp8.LAZY_MAX_MARGIN_LOG2):
   """Independent NumPy/ml_dtypes model of the kernel's numerics: rotate, quantize, exact e4m3
-  products, e4m3(2^8 · P). tile_k=None: a single key tile (so the running max is the row max);
-  otherwise an online softmax over key tiles of tile_k, last tile first, whose running max moves
-  only when a tile's scores exceed it by more than `margin` (log2 units)."""
+  products, e4m3(2^8 · P), an online softmax over key tiles of tile_k (None: one tile, so the
+  running max is the row max), last tile first, whose running max moves only when a tile's
+  scores exceed it by more than `margin` (log2 units)."""
   e4m3 = ml_dtypes.float8_e4m3fn
 
   def quant(x, block):
@@ -127,11 +127,7 @@ def _dense_emulation(q, k, v, *, softmax_scale, block_size, signs=None, window_r
     scores = np.where(np.arange(s_k)[None] <= np.arange(s_q)[:, None] + s_k - s_q + window_right,
                       scores, -np.inf)
   offset = 2.0 ** fp8.P_OFFSET_LOG2
-  if tile_k is None:
-    probs = np.exp(scores - scores.max(-1, keepdims=True))
-    probs8 = (probs * offset).astype(np.float32).astype(e4m3).astype(np.float64)
-    out = np.einsum("bhqk,bkhd->bqhd", probs8, rep(v8).astype(np.float64))
-    return out * rep(vs)[:, 0:1, :, :] / (offset * np.einsum("bhq->bqh", probs.sum(-1))[..., None])
+  tile_k = s_k if tile_k is None else tile_k
   scores = scores * np.log2(np.e)  # the kernel's exp2 domain
   row_max = np.full(scores.shape[:-1], -np.inf)
   row_sum = np.zeros(scores.shape[:-1])
