@@ -20,6 +20,7 @@
 #endif
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -91,7 +92,7 @@ std::vector<uint8_t> quantized_normal(int b, int s, int h, int d, int block, std
         float amax = 0.f;
         for (int t = t0; t < t1; ++t)
           for (int e = 0; e < d; ++e) amax = std::max(amax, std::fabs(x[at(bi, t, hi) + e]));
-        const float scale = amax > 0.f ? std::max(amax * (1.f / 448.f), 1.17549435e-38f) : 1.f;
+        const float scale = amax > 0.f ? std::max(amax * (1.f / 448.f), FLT_MIN) : 1.f;
         scales[(size_t(bi) * h + hi) * nb + n] = scale;
         const float inv = 1.f / scale;
         for (int t = t0; t < t1; ++t)
