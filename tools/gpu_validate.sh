@@ -32,7 +32,7 @@ fi
 if has fwd; then
   timeout 300 pytest -q -rfE -p no:cacheprovider tests/test_gpu_attention.py tests/test_gpu_hadamard.py \
     2>&1 | tee "$OUT/fwd_tests.log" | tail -15
-  echo "== forward tests rc=$? $(elapsed)"
+  echo "== forward tests rc=${PIPESTATUS[0]} $(elapsed)"
 fi
 if has fp8; then
   timeout "${FP8_TIMEOUT:-420}" pytest -q -rfE -p no:cacheprovider tests/test_gpu_fp8.py \
@@ -42,7 +42,7 @@ fi
 if has bwd; then
   timeout 400 pytest -q -rfE -p no:cacheprovider --durations=5 \
     tests/test_gpu_backward.py 2>&1 | tee "$OUT/bwd_tests.log" | tail -20
-  echo "== backward tests rc=$? $(elapsed)"
+  echo "== backward tests rc=${PIPESTATUS[0]} $(elapsed)"
 fi
 if has sanitizer; then
   for tool in memcheck racecheck; do
