@@ -20,6 +20,7 @@ import pytest
 import jax_fa3
 from jax_fa3 import _bench
 from ffi_probe import ffi_error_message
+from kernel_build import skip_unless_compiled
 
 pytestmark = pytest.mark.gpu
 
@@ -40,6 +41,7 @@ def _rel(x, ref):
 
 
 def _check_forward(q, k, v, dtype, **kw):
+  skip_unless_compiled(q)
   fn = jax.jit(lambda q, k, v: jax_fa3.flash_attention(q, k, v, return_lse=True, **kw))
   assert "jax_fa3_flash_fwd" in fn.lower(q, k, v).as_text(), "kernel not dispatched"
   out, lse = fn(q, k, v)
