@@ -74,8 +74,18 @@ def _assert_within_one_e4m3_step(got, want):
                                                (None, 600)])
 def test_matches_pure_jax(d, dtype, block_size, seqlen):
   """Ragged last blocks; blocks of > 256 tokens (300, None) take the chunked two-launch path."""
-  x = _inputs(d, (2, seqlen, 3, d), dtype)
-  signs = _signs(d)
+  _check_against_pure_jax(_inputs(d, (2, seqlen, 3, d), dtype), block_size)
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128])
+def test_odd_number_of_one_pass_blocks(d):
+  """64-token blocks of 16-bit inputs run two per CTA (rotate_quantize_one_pass_kernel): 3 heads
+  of 3 blocks each (the last one 2 tokens) leave the last CTA a single block."""
+  _check_against_pure_jax(_inputs(d + 1, (1, 130, 3, d), jnp.bfloat16), 64)
+
+
+def _check_against_pure_jax(x, block_size):
+  signs = _signs(x.shape[-1])
   for rotate in (False, True):
     values, scales = _fused(x, signs, rotate, block_size)
     ref_values, ref_scales = _pure_jax(x, signs, rotate, block_size)

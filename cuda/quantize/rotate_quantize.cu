@@ -3,6 +3,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "common/cuda_check.h"
 #include "common/float_convert.cuh"
@@ -69,26 +70,50 @@ struct Rotation {
   uint32_t negative;    // bit e: this lane's element e has sign -1
 };
 
-// Loads the lane's 32 elements (zeros where `valid` is false) and, when enabled, applies
-// H·diag(signs)/sqrt(block_pow2) to the row. Stages run in the order of
+// A lane's 32 elements as loaded (16-byte vectors), before conversion: a load can be issued
+// early and its registers consumed later.
+template <typename T>
+struct RawLane {
+  static constexpr int kVec = 16 / sizeof(T);
+  uint4 vec[kPerLane / kVec];
+};
+
+template <typename T>
+__device__ __forceinline__ void load_raw(const T* __restrict__ src, RawLane<T>& raw) {
+#pragma unroll
+  for (int i = 0; i < kPerLane / RawLane<T>::kVec; ++i) {
+    raw.vec[i] = __ldg(reinterpret_cast<const uint4*>(src) + i);
+  }
+}
+
+// The same, zeros where `valid` is false, as a select per vector: in the one-pass kernel (two
+// blocks' loads in flight) ptxas spills 44 bytes at d = 128 with a branch, none with this.
+template <typename T>
+__device__ __forceinline__ void load_raw_or_zeros(const T* __restrict__ src, bool valid,
+                                                  RawLane<T>& raw) {
+#pragma unroll
+  for (int i = 0; i < kPerLane / RawLane<T>::kVec; ++i) {
+    raw.vec[i] = valid ? __ldg(reinterpret_cast<const uint4*>(src) + i) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void raw_to_float(const RawLane<T>& raw, float (&v)[kPerLane]) {
+  constexpr int kVec = RawLane<T>::kVec;
+#pragma unroll
+  for (int i = 0; i < kPerLane / kVec; ++i) {
+    const T* elems = reinterpret_cast<const T*>(&raw.vec[i]);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v[i * kVec + j] = to_float(elems[j]);
+  }
+}
+
+// When enabled, H·diag(signs)/sqrt(block_pow2) applied to the row. Stages run in the order of
 // jax_fa3.hadamard._hadamard_reference (h = 1, 2, 4, ...) on the same (a + b, a - b) pairs, so the
 // float32 results agree with it.
-template <typename T, int kLanesPerRow>
-__device__ __forceinline__ void load_row(const T* __restrict__ src, bool valid, const Rotation& rot,
-                                         int lane_in_row, float (&v)[kPerLane]) {
-  constexpr int kVec = 16 / sizeof(T);
-  if (valid) {
-#pragma unroll
-    for (int i = 0; i < kPerLane / kVec; ++i) {
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src) + i);
-      const T* elems = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) v[i * kVec + j] = to_float(elems[j]);
-    }
-  } else {
-#pragma unroll
-    for (int e = 0; e < kPerLane; ++e) v[e] = 0.f;
-  }
+template <int kLanesPerRow>
+__device__ __forceinline__ void rotate_row(const Rotation& rot, int lane_in_row,
+                                           float (&v)[kPerLane]) {
   if (!rot.enabled) return;
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) {
@@ -120,6 +145,23 @@ __device__ __forceinline__ void load_row(const T* __restrict__ src, bool valid, 
   }
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) v[e] *= rot.scale;
+}
+
+// Loads the lane's 32 elements (zeros where `valid` is false) and rotates them (rotate_row).
+// The loads stay behind the branch: a select on `valid` per vector slowed the v passes by 7-14%
+// (H200, seventeenth session).
+template <typename T, int kLanesPerRow>
+__device__ __forceinline__ void load_row(const T* __restrict__ src, bool valid, const Rotation& rot,
+                                         int lane_in_row, float (&v)[kPerLane]) {
+  if (valid) {
+    RawLane<T> raw;
+    load_raw(src, raw);
+    raw_to_float(raw, v);
+  } else {
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) v[e] = 0.f;
+  }
+  rotate_row<kLanesPerRow>(rot, lane_in_row, v);
 }
 
 // The (batch, head) slice a CTA works on and its token range.
@@ -208,7 +250,8 @@ __device__ __forceinline__ Rotation make_rotation(const RotateQuantizeParams& p,
   return rot;
 }
 
-template <int kWarps>
+// kSlot: reductions that follow each other without a barrier between them use distinct slots.
+template <int kWarps, int kSlot = 0>
 __device__ __forceinline__ float cta_amax(float warp_amax_value) {
   __shared__ float amax_of_warp[kWarps];
   if (threadIdx.x % 32 == 0) amax_of_warp[threadIdx.x / 32] = warp_amax_value;
@@ -233,9 +276,9 @@ __device__ __forceinline__ Slice slice_of(const RotateQuantizeParams& p, int64_t
           scale_index};
 }
 
-// Blocks of <= kRotateQuantizeMaxCtaBlock tokens: one CTA per (batch, head, block). A block
-// that one pass of the CTA covers (64 tokens at d = 64, 128) is loaded once and quantized from
-// registers; longer ones are read twice (the second time from L2).
+// Blocks of <= kRotateQuantizeMaxCtaBlock tokens that one pass of a CTA does not cover (64-token
+// blocks at d >= 160, or longer blocks): one CTA per (batch, head, block), the block read twice
+// (the second time from L2). A short last block is loaded once and quantized from registers.
 // Three CTAs per SM (at most 85 registers: 20 bytes spilled at d = 128 and 256, up to 44 at
 // d = 96, 160-224, none at d = 32, 64; tests/test_sass.py pins them), where 92 registers allowed
 // two: the pass waits on memory, and 24 warps hide more of it than 16. q rotated at 16k tokens,
@@ -262,6 +305,45 @@ rotate_quantize_block_kernel(RotateQuantizeParams p, int64_t n_blocks, int block
       scale_from_amax(cta_amax<Map::kWarps>(rows_amax<T, kLanesPerRow>(p, sl, rot)));
   if (threadIdx.x == 0) p.scales[sl.scale_index] = scale;
   quantize_rows<T, kLanesPerRow>(p, sl, rot, scale);
+}
+
+// Blocks that one pass of a CTA covers (64 tokens at d <= 128), kBlocksPerCta consecutive ones
+// per CTA: the loads of all of them are issued first, so that twice the bytes are in flight per
+// SM while the first block is rotated, reduced and stored (the pass waits on memory). 80
+// registers, no spill, three CTAs per SM. q rotated at 16k tokens, H200 (seventeenth session,
+// benchmarks/RESULTS.md), bit for bit the output of one block per CTA: d = 128 46 vs 52 µs, d = 96
+// 39 vs 46.5, d = 64 24 vs 28.
+template <typename T, int kLanesPerRow, int kBlocksPerCta>
+__global__ void __launch_bounds__(LaneMap<kLanesPerRow>::kThreads, 3)
+rotate_quantize_one_pass_kernel(RotateQuantizeParams p, int64_t n_blocks, int64_t slices,
+                                int block_pow2, float rotation_scale) {
+  using Map = LaneMap<kLanesPerRow>;
+  const Map map = Map::of_thread();
+  const Rotation rot = make_rotation(p, map.lane_in_row, block_pow2, rotation_scale);
+  const int64_t first = int64_t(blockIdx.x) * kBlocksPerCta;
+  RawLane<T> raw[kBlocksPerCta];
+  int64_t offset[kBlocksPerCta];
+  bool valid[kBlocksPerCta];
+#pragma unroll
+  for (int i = 0; i < kBlocksPerCta; ++i) {
+    const Slice sl = slice_of(p, n_blocks, 1, p.block_size, min(first + i, slices - 1));
+    offset[i] = sl.base + (sl.t_begin + map.row) * p.h * p.d + kPerLane * map.lane_in_row;
+    valid[i] = first + i < slices && map.active && sl.t_begin + map.row < sl.t_end;
+    load_raw_or_zeros(static_cast<const T*>(p.x) + offset[i], valid[i], raw[i]);
+  }
+  auto finish = [&](auto slot) {
+    constexpr int i = decltype(slot)::value;
+    if (first + i >= slices) return;
+    float v[kPerLane];
+    raw_to_float(raw[i], v);
+    rotate_row<kLanesPerRow>(rot, map.lane_in_row, v);
+    const float scale = scale_from_amax(cta_amax<Map::kWarps, i>(warp_amax(lane_amax(0.f, v))));
+    if (threadIdx.x == 0) p.scales[first + i] = scale;
+    if (valid[i]) store_quantized(v, __frcp_rn(scale), static_cast<uint8_t*>(p.values) + offset[i]);
+  };
+  finish(std::integral_constant<int, 0>{});
+  if constexpr (kBlocksPerCta > 1) finish(std::integral_constant<int, 1>{});
+  static_assert(kBlocksPerCta <= 2);
 }
 
 // Larger blocks, pass 1: the amax of each chunk, merged per block with an atomic max on the bits
@@ -346,6 +428,17 @@ cudaError_t launch_shape(const RotateQuantizeParams& p, int64_t n_blocks, cudaSt
   const float rotation_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(block_pow2)));
   const int64_t slices = p.b * p.h * n_blocks;
   const int64_t chunks = rotate_quantize_chunks(p.block_size, p.s, p.keys_transposed);
+  if (chunks == 1 && !p.keys_transposed && p.block_size <= LaneMap<kLanesPerRow>::kRowsPerIter) {
+    // 16-bit inputs: two blocks per CTA (two float32 rows of raw loads would spill).
+    constexpr int kBlocksPerCta = sizeof(T) == 2 ? 2 : 1;
+    const int64_t ctas = (slices + kBlocksPerCta - 1) / kBlocksPerCta;
+    if (ctas > 0x7fffffff) return cudaErrorInvalidValue;
+    rotate_quantize_one_pass_kernel<T, kLanesPerRow, kBlocksPerCta>
+        <<<static_cast<unsigned>(ctas), LaneMap<kLanesPerRow>::kThreads, 0, stream>>>(
+            p, n_blocks, slices, block_pow2, rotation_scale);
+    JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+    return cudaSuccess;
+  }
   if (chunks == 1 && !p.keys_transposed) {
     if (slices > 0x7fffffff) return cudaErrorInvalidValue;
     rotate_quantize_block_kernel<T, kLanesPerRow><<<static_cast<unsigned>(slices), LaneMap<kLanesPerRow>::kThreads, 0, stream>>>(

@@ -38,9 +38,10 @@ inline bool rotate_quantize_supports_dim(int64_t d) {
   return d >= 32 && d <= kRotateQuantizeMaxDim && d % 32 == 0;
 }
 
-// Blocks of up to kRotateQuantizeMaxCtaBlock tokens are one CTA each. Larger blocks (v's one scale
-// per head) are cut into chunks of kRotateQuantizeChunkTokens whose amax meet in an atomic max, then
-// are quantized by a second launch: enough CTAs to fill the GPU either way.
+// Blocks of up to kRotateQuantizeMaxCtaBlock tokens are one CTA each (two per CTA where one pass
+// covers them: 64 tokens at d <= 128, 16-bit inputs). Larger blocks (v's one scale per head) are
+// cut into chunks of kRotateQuantizeChunkTokens whose amax meet in an atomic max, then are
+// quantized by a second launch: enough CTAs to fill the GPU either way.
 constexpr int64_t kRotateQuantizeMaxCtaBlock = 256;
 constexpr int64_t kRotateQuantizeChunkTokens = 128;
 

@@ -5,7 +5,8 @@
 //     cuda/quantize/tools/rotate_quantize_timing.cu -o rq_timing
 // Run: rq_timing b s h d [quick]  (bf16 input; prints q/k rotated per 64-token block, v per head as is and
 // in the fp8 kernel's V layout, and the cast floor; µs and GB/s of the minimum traffic, 3 bytes
-// per element; then a host check of the v cases, "FAILED" if it does not hold).
+// per element; the rotated case's output hash, to compare two builds bit for bit; then a host
+// check of the v cases, "FAILED" if it does not hold).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -137,6 +138,17 @@ int main(int argc, char** argv) {
                                     jax_fa3::DType::kBFloat16, c.keys_transposed};
     report(c.name, time_us([&] { CHECK(jax_fa3::launch_rotate_quantize(p, nullptr)); }));
     if (!c.rotate) check_v(c.keys_transposed);
+    if (c.rotate) {
+      // FNV-1a of the values and the scales: two builds of the pass compare bit for bit.
+      std::vector<uint8_t> out(n);
+      std::vector<uint32_t> out_scales(b * h * ((s + 63) / 64));
+      CHECK(cudaMemcpy(out.data(), values, n, cudaMemcpyDeviceToHost));
+      CHECK(cudaMemcpy(out_scales.data(), scales, out_scales.size() * 4, cudaMemcpyDeviceToHost));
+      uint64_t hash = 1469598103934665603ull;
+      for (uint8_t byte : out) hash = (hash ^ byte) * 1099511628211ull;
+      for (uint32_t word : out_scales) hash = (hash ^ word) * 1099511628211ull;
+      std::printf("  hash of the values and scales: %016llx\n", (unsigned long long)hash);
+    }
   }
   std::printf("check: v scales, values and kernel layout vs host: %s\n", ok ? "ok" : "FAILED");
   const int64_t vecs = n / 8;
