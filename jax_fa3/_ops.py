@@ -46,8 +46,13 @@ def _kernel_unsupported_reason(target: str, q) -> str | None:
   dtype = _KERNEL_DTYPES.get(np.dtype(q.dtype))
   if dtype is None:
     return f"the kernels run bfloat16/float16; {q.dtype} inputs use the pure-JAX path"
+  return _not_compiled_reason(q.shape[-1], dtype)
+
+
+def _not_compiled_reason(head_dim: int, dtype: str) -> str | None:
+  """None if head_dim's bucket and dtype ('bf16', 'fp16') are in this build, else the reason."""
   config = _ffi.build_config()
-  bucket = head_dim_bucket(q.shape[-1])
+  bucket = head_dim_bucket(head_dim)
   if str(bucket) not in config.get("head_dims", ()) or dtype not in config.get("dtypes", ()):
     return (f"head_dim bucket {bucket} / {dtype} was not compiled into this build "
             f"(JAX_FA3_HEAD_DIMS / JAX_FA3_DTYPES at build time)")
