@@ -13,7 +13,7 @@ tensors; the reference is float64 attention of them, so each RMSE is that method
   fp8_block_rot   block quantization + incoherent processing (random Hadamard rotation) = FA3 FP8
 
 RMSE = sqrt(mean((out - reference)^2)) over all output elements. All fp8 variants quantize P the
-same way (e4m3(2^8·P), see jax_fa3/fp8.py), so the differences come from q/k/v scaling and rotation.
+same way (e4m3(2^6·P), see jax_fa3/fp8.py), so the differences come from q/k/v scaling and rotation.
 Runs on the CPU through the exact emulation of the fp8 kernel, and on a Hopper GPU through the
 kernels once `jax_fa3_flash_fwd_fp8` exists.
 

@@ -26,13 +26,13 @@ path emulates: same e4m3 rounding, same blocks, same scales):
    RMS, the size of the fp8 error itself),
    P = exp(S - running max) computed in the exp2 domain as the kernel does. The running max is
    lazy (`LAZY_MAX_MARGIN_LOG2`): a row's max moves to a key tile's larger maximum only if that
-   exceeds it by more than 0.8 in log2 units, so that the kernel rescales O on jumps only (the
-   row's P, relative to the stale max, is then at most 2^0.8). P is quantized as e4m3(2^8 · P):
-   P ∈ [0, 2^0.8] is shifted by FlashAttention-3's `Max_offset = 8` so that it uses e4m3's range
-   [2^-9, 445.7] (P below 2^-18 rounds to zero, below 2^-14 is subnormal) — no per-row or
-   per-tile scale is needed because the shift is an exact power of two. The row sum is
+   exceeds it by more than 2.8 in log2 units, so that the kernel rescales O on jumps only (the
+   row's P, relative to the stale max, is then at most 2^2.8). P is quantized as e4m3(2^6 · P):
+   FlashAttention-3's `Max_offset` shift (an exact power of two, so no per-row or per-tile scale
+   is needed), 6 here instead of FA3's 8 so that P ∈ [0, 2^2.8] fits e4m3's range
+   [2^-9, 445.7] (P below 2^-16 rounds to zero, below 2^-12 is subnormal). The row sum is
    accumulated from the float32 P before quantization (as FA3 does).
-5. O = (Σ P8 · v8) · v_scale / (2^8 · row sum), accumulated in float32, rounded to bfloat16 (the
+5. O = (Σ P8 · v8) · v_scale / (2^6 · row sum), accumulated in float32, rounded to bfloat16 (the
    kernel's output type), then cast to q's dtype. LSE is float32, natural log, of the descaled
    scores (+inf and output 0 for rows that see no key).
 
@@ -76,11 +76,11 @@ from jax_fa3.hadamard import hadamard_transform
 
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
-P_OFFSET_LOG2 = 8  # FA3's Max_offset for fp8: P is quantized as e4m3(2^8 · P)
+P_OFFSET_LOG2 = 6  # FA3's Max_offset idea (FA3 uses 8): P is quantized as e4m3(2^6 · P)
 # Lazy running max (log2 units; cuda/flash_fwd/fp8_softmax.h kFp8LazyMaxMarginLog2): a row's max
-# moves only when a key tile's scores exceed it by more than this, so P <= 2^0.8 and
-# 2^8 · P <= 445.7 < 448: e4m3's range still holds it.
-LAZY_MAX_MARGIN_LOG2 = 0.8
+# moves only when a key tile's scores exceed it by more than this, so P <= 2^2.8 and
+# 2^6 · P <= 445.7 < 448: e4m3's range still holds it.
+LAZY_MAX_MARGIN_LOG2 = 2.8
 DEFAULT_BLOCK_SIZE = 64
 EMULATION_TILE_K = 128
 FP8_INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -421,7 +421,7 @@ def _emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
     rescale = jnp.exp2(row_max - shift)
     probs = jnp.exp2(scores - shift[..., None])
     row_sum = row_sum * rescale + probs.sum(axis=-1)  # from the unquantized P, as FA3
-    probs8 = _to_e4m3(probs * p_offset).astype(f32)  # e4m3(2^8 · P), P <= 2^0.8
+    probs8 = _to_e4m3(probs * p_offset).astype(f32)  # e4m3(2^6 · P), P <= 2^2.8
     acc = acc * rescale[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", probs8, v_tile,
                                                precision=_HIGHEST)
     return (new_max, row_sum, acc), None
@@ -651,7 +651,7 @@ def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_siz
   q and k are rotated by the same random orthogonal matrix H·diag(signs) (incoherent processing,
   `hadamard_transform`), then q and k are quantized to e4m3 with one float32 scale per (batch,
   head, block of `block_size` tokens) and v with one scale per (batch, kv-head); the attention runs
-  on the fp8 values (P quantized as e4m3(2^8·P)), accumulates in float32 and returns bfloat16 from
+  on the fp8 values (P quantized as e4m3(2^6·P)), accumulates in float32 and returns bfloat16 from
   the kernel. See the docstring of `jax_fa3.fp8` for the exact numerics; without a Hopper GPU and
   the fp8 kernel, a pure-JAX path emulates them exactly (announced once on the `jax_fa3` logger).
 

@@ -1,5 +1,5 @@
 // fp8-only pieces of the consumer: score descaling, the online softmax with per-row scales and
-// the 2^8 shift of P, and P -> packed e4m3 A-operand registers (layout: fp8_layout.h).
+// the 2^6 shift of P, and P -> packed e4m3 A-operand registers (layout: fp8_layout.h).
 #pragma once
 #include "flash_fwd/cute_config.h"
 #include <cmath>
@@ -11,14 +11,17 @@
 
 namespace jax_fa3::fwd {
 
-// P is quantized as e4m3(2^8 * P) (FA3's Max_offset): P in [0, 1] uses e4m3's range [2^-9, 448].
-constexpr float kFp8POffsetLog2 = 8.f;
+// P is quantized as e4m3(2^6 * P): FA3's Max_offset idea (a power-of-two shift, so no per-row
+// scale) with 6 instead of FA3's 8, so that the lazy max below can leave P up to 2^2.8 and
+// 2^6 * P still fits e4m3 (448 = 2^8.807). P then uses e4m3's range [2^-9, 445.7]: P below
+// 2^-16 rounds to zero, below 2^-12 is subnormal (with 2^8: 2^-18 and 2^-14).
+constexpr float kFp8POffsetLog2 = 6.f;
 // Lazy running max: a row keeps its max until a block's scores exceed it by more than this
-// (log2 units), so O is rescaled on a jump, not on every new maximum. Then P <= 2^0.8 and
-// 2^8 * P <= 445.7: still within e4m3 (448 = 2^8.807), so no range is lost. In a simulation of
-// N(0, 1) scores (d128, 8k keys, 16-row warps) the warps that rescale O fall from 49% of the
-// blocks to 24%.
-constexpr float kFp8LazyMaxMarginLog2 = 0.8f;
+// (log2 units), so O is rescaled on a jump, not on every new maximum; then P <= 2^2.8. Kernel
+// alone (H200, eighteenth session, benchmarks/RESULTS.md), margin 2.8 / shift 6 against 0.8 /
+// 8: d128 8k +1.6-2.1%, d256 +2.4%, d64 +0.7%; 1.8 / 7 gained about half of that at d128, 3.8 /
+// 5 no more than 2.8 / 6. RMSE (the paper's outlier inputs): +0.2-0.9%.
+constexpr float kFp8LazyMaxMarginLog2 = 2.8f;
 static_assert(kFp8POffsetLog2 + kFp8LazyMaxMarginLog2 < 8.807f, "2^offset * P must fit e4m3");
 
 // Keys per k-scale group: one k_scale serves 32 consecutive keys of a tile (keys 32g..32g+31)
@@ -51,7 +54,7 @@ __device__ __forceinline__ void descale_columns(Frag& s, const float* __restrict
 template <int kGroups, bool kTreeRowSums>
 struct Fp8OnlineSoftmax {
   // Running max of the scaled scores (log2 domain: score * softmax_scale * log2 e * q_scale *
-  // k_scale), quad-uniform, and this thread's partial sum of 2^8 * P (exact power-of-two shift of
+  // k_scale), quad-uniform, and this thread's partial sum of 2^6 * P (exact power-of-two shift of
   // the unquantized fp32 P; the quad sum happens in finalize()).
   float row_max[2];
   float row_sum[2];
@@ -61,7 +64,7 @@ struct Fp8OnlineSoftmax {
     row_sum[0] = row_sum[1] = 0.f;
   }
 
-  // s (raw or column-descaled scores; masked ones -inf) -> 2^8 * exp2(s * coef - max) in place.
+  // s (raw or column-descaled scores; masked ones -inf) -> 2^6 * exp2(s * coef - max) in place.
   // coef[r][g] = row scale of row r * k scale of group g (> 0, so maxima commute with it): the
   // max is taken per (row, group) on the raw scores, then scaled: 2 * kGroups FMULs per tile
   // instead of one per element, and kGroups independent FMNMX chains per row.
@@ -97,7 +100,7 @@ struct Fp8OnlineSoftmax {
     }
   }
 
-  // Second half: s -> 2^8 * exp2(s * coef - shift) in place, accumulated into the row sums.
+  // Second half: s -> 2^6 * exp2(s * coef - shift) in place, accumulated into the row sums.
   // kExp2FmaPeriod: which exponentials run on the FMA pipe (exp2_fma.h).
   // [kBegin, kEnd): the flat elements to do.
   // kTreeRowSums: each k32 step's 8 values per row are summed as a tree and then added to the row
@@ -131,7 +134,7 @@ struct Fp8OnlineSoftmax {
     }
   }
 
-  // inv_sum = v_scale / (2^8 * rowsum) (0 for a row that saw no key); LSE natural log, +inf for
+  // inv_sum = v_scale / (2^6 * rowsum) (0 for a row that saw no key); LSE natural log, +inf for
   // such a row.
   __device__ __forceinline__ void finalize(float v_scale, float (&inv_sum)[2], float (&lse)[2]) {
 #pragma unroll

@@ -7,7 +7,7 @@
 // gridDim.x - L CTAs idle for a whole tile time (d128 8k, 16k tokens, 16 heads on 132 SMs: 1376
 // tiles of 192 rows = 10.4 rounds, the kernel waits 11 tile times).
 //
-// Numerics: the fp8 kernel quantizes P as e4m3(2^8 · exp2(s - running max)), so P's rounding
+// Numerics: the fp8 kernel quantizes P as e4m3(2^6 · exp2(s - running max)), so P's rounding
 // depends on the running max a block is exponentiated against (jax_fa3/fp8.py, step 4). The high
 // piece visits the top K/V blocks exactly as the whole tile would. The low piece first takes the
 // row maxima of the high piece's blocks (the S GEMM and row max only; no exponentials, no PV
@@ -152,7 +152,7 @@ __device__ __forceinline__ float merge_terms(float a, float fa, float b, float f
 // The merge of split tile `tile` (0..L-1), run by the consumer threads (thread_idx 0..2*kBlockM-1)
 // of whichever CTA finished its piece second: thread t takes over what consumer thread t held in
 // both pieces (same fragment layout, so the quad sums of finalize() pair the same lanes). O =
-// merged O * v_scale / (2^8 * row sum) in bf16, rounded as the epilogue rounds, and the LSE,
+// merged O * v_scale / (2^6 * row sum) in bf16, rounded as the epilogue rounds, and the LSE,
 // straight to global memory. The partials are read past L1 (__ldcg): the other CTA wrote them.
 template <int kHeadDim, int kBlockM, class Params>
 __device__ __forceinline__ void merge_tail_tile(const Params& p, int tile, const TileCoord& c,
