@@ -224,7 +224,13 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
       if constexpr (kFp8) return Traits::kTreeRowSums;
       else return false;
     }();
-    std::conditional_t<kFp8, Fp8OnlineSoftmax<kKeyGroups, kTreeRowSums>, OnlineSoftmax> softmax;
+    constexpr bool kReduceMaxOnJump = [] {
+      if constexpr (kFp8) return Traits::kReduceMaxOnJump;
+      else return false;
+    }();
+    std::conditional_t<kFp8, Fp8OnlineSoftmax<kKeyGroups, kTreeRowSums, kReduceMaxOnJump>,
+                       OnlineSoftmax>
+        softmax;
     softmax.reset();
     float correction[2];
     // O *= correction; Traits::kSkipUnchangedRescale: only where a row of the warp changed its max.

@@ -50,8 +50,8 @@ __device__ __forceinline__ void descale_columns(Frag& s, const float* __restrict
 }
 
 // kGroups k-scale groups of 32 keys per tile (flat S indices 16g..16g+15 are group g: 8-column
-// chunks 4g..4g+3). kTreeRowSums: see exponentiate().
-template <int kGroups, bool kTreeRowSums>
+// chunks 4g..4g+3). kTreeRowSums: see exponentiate(). kReduceMaxOnJump: see update_max().
+template <int kGroups, bool kTreeRowSums, bool kReduceMaxOnJump = false>
 struct Fp8OnlineSoftmax {
   // Running max of the scaled scores (log2 domain: score * softmax_scale * log2 e * q_scale *
   // k_scale), quad-uniform, and this thread's partial sum of 2^6 * P (exact power-of-two shift of
@@ -83,11 +83,9 @@ struct Fp8OnlineSoftmax {
         group_max[frag_row(i)][g] = fmaxf(group_max[frag_row(i)][g], s(i));
       }
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float tile_max = row_max[r];
-#pragma unroll
-      for (int g = 0; g < kGroups; ++g) tile_max = fmaxf(tile_max, group_max[r][g] * coef[r][g]);
+    // The quad's row max, kept unless it exceeds the running max by more than the margin; the O
+    // correction, the row-sum rescale and the exp2 shift.
+    auto reduce_row = [&](int r, float tile_max) {
       float new_max = quad_max(tile_max);
       // -inf - -inf is NaN: a row that has seen only -inf keeps -inf.
       if (!(new_max - row_max[r] > kFp8LazyMaxMarginLog2)) new_max = row_max[r];
@@ -97,6 +95,40 @@ struct Fp8OnlineSoftmax {
       row_max[r] = new_max;
       row_sum[r] *= correction[r];
       shift[r] = base - kFp8POffsetLog2;
+    };
+    auto row_tile_max = [&](int r) {
+      float tile_max = row_max[r];
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) tile_max = fmaxf(tile_max, group_max[r][g] * coef[r][g]);
+      return tile_max;
+    };
+    if constexpr (!kReduceMaxOnJump) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) reduce_row(r, row_tile_max(r));
+    } else {
+      // A quad's row max exceeds the margin only if one of its threads' does: when no thread of
+      // the warp jumps, every row keeps its max and the correction is exactly 1 (0 for a row that
+      // has seen only -inf, whose row sum is 0 already), as reduce_row would find, without its
+      // quad shuffles, two exp2 and row-sum rescale. With the 2.8 margin almost no block jumps
+      // after a row's first. Only in d128's 192-row kernel (fp8_traits.h, measured there).
+      float tile_max[2];
+      bool jumps = false;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        tile_max[r] = row_tile_max(r);
+        jumps |= tile_max[r] - row_max[r] > kFp8LazyMaxMarginLog2;
+      }
+      if (__any_sync(0xffffffffu, jumps)) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) reduce_row(r, tile_max[r]);
+      } else {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const bool empty = row_max[r] == -INFINITY;
+          correction[r] = empty ? 0.f : 1.f;
+          shift[r] = (empty ? 0.f : row_max[r]) - kFp8POffsetLog2;
+        }
+      }
     }
   }
 

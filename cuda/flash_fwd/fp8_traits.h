@@ -94,6 +94,11 @@ struct Fp8KernelTraits {
   // Row sums summed per k32 step as a tree (fp8_softmax.h, measured there): only d128's 192-row
   // kernel gains (+1-1.5%).
   static constexpr bool kTreeRowSums = kHeadDim == 128 && kNumConsumerWarpGroups == 3;
+  // The row max's quad reduction and O correction only when some row of the warp jumps past the
+  // lazy margin (fp8_softmax.h, update_max). Kernel alone, 192-row d128 (H200, eighteenth
+  // session, alternated): 8k +0.9%, causal 8k +2%, 2k +5% (ptxas spills 4 bytes: one LDL per
+  // block); d256 even (not taken); d64 and d128's 128-row kernel not measured.
+  static constexpr bool kReduceMaxOnJump = kHeadDim == 128 && kNumConsumerWarpGroups == 3;
   // In the plain order (no intra-warpgroup overlap: three warpgroups, d256), P's k-steps go
   // to the PV GEMM one by one as their exponentials are done (consumer.h), and the warpgroups
   // take no ping-pong turns. Kernel alone, 8k, same runs (H200, 2026-12-01, benchmarks/RESULTS.md):
