@@ -7,7 +7,8 @@ kernel uses wgmma of its type (QGMMA for fp8, the FP8 issue's "SASS shows QGMMA"
 setmaxnreg, no kernel has its wgmmas serialized by ptxas (each waited for at once), and no
 kernel spills more than it does today. The known spills (SPILL_BUDGET): the fp8 d128 128-row
 forward's consumers are capped at 208 registers (fp8_traits.h: faster than 240), which leaves
-ptxas 8 bytes to spill (2 STL + 2 LDL); the 192-row one spills 4 bytes (faster so). A new spill anywhere fails here before it costs speed.
+ptxas 8 bytes to spill (2 STL + 2 LDL); the 192-row one spills 4 bytes (faster so). A new spill
+anywhere fails here before it costs speed.
 Skipped without the installed kernels library (a pure-JAX install) or cuobjdump and nvdisasm (the
 test extra's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm provide them).
 """

@@ -97,7 +97,7 @@ struct Fp8KernelTraits {
   // The row max's quad reduction and O correction only when some row of the warp jumps past the
   // lazy margin (fp8_softmax.h, update_max). Kernel alone, 192-row d128 (H200, eighteenth
   // session, alternated): 8k +0.9%, causal 8k +2%, 2k +5% (ptxas spills 4 bytes: one LDL per
-  // block); d256 even (not taken); d64 and d128's 128-row kernel not measured.
+  // block); d256 even (not taken); d64 and d128's 128-row kernel -12% (nineteenth session).
   static constexpr bool kReduceMaxOnJump = kHeadDim == 128 && kNumConsumerWarpGroups == 3;
   // In the plain order (no intra-warpgroup overlap: three warpgroups, d256), P's k-steps go
   // to the PV GEMM one by one as their exponentials are done (consumer.h), and the warpgroups
