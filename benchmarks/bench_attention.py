@@ -55,30 +55,32 @@ def _fp8_peers(causal):
   from jax_fa3 import fp8  # noqa: PLC0415
   from jax_fa3._config import AttentionConfig  # noqa: PLC0415
 
+  # v centred by its mean over the keys, as the user's call from bf16 does (fp8.py, step 2).
   def prepare_ours(q, k, v):
     q8, qs = fp8.quantize_fp8(q, block_size=64)
     k8, ks = fp8.quantize_fp8(k, block_size=64)
-    v8, vs = fp8.quantize_fp8(v, block_size=None)
-    return jax.block_until_ready((q8, k8, v8, qs, ks, vs[..., 0]))
+    vm = fp8._v_mean(v)
+    v8, vs = fp8.quantize_fp8(v.astype(jnp.float32) - vm[:, None], block_size=None)
+    return jax.block_until_ready((q8, k8, v8, qs, ks, vs[..., 0], vm))
 
-  def ours(q8, k8, v8, qs, ks, vs):
+  def ours(q8, k8, v8, qs, ks, vs, vm):
     att = AttentionConfig(softmax_scale=q8.shape[-1] ** -0.5, window_left=-1,
                           window_right=0 if causal else -1)
     cfg = fp8.Fp8Config(att, block_size=64, incoherent=False, return_lse=False)
-    return fp8.fp8_forward(q8, k8, v8, qs, ks, vs, cfg)[0]
+    return fp8.fp8_forward(q8, k8, v8, qs, ks, vs, cfg, v_mean=vm)[0]
 
   # The kernel without its V pre-pass: v pre-quantized straight into the kernel's layout (the
   # quantization pass's keys-transposed mode, as the user's call from bf16 runs it).
   def prepare_ours_vt(q, k, v):
-    q8, k8, _, qs, ks, _ = prepare_ours(q, k, v)
-    vt, vs = fp8._quantize_v_kernel_layout(v)
-    return jax.block_until_ready((q8, k8, vt, qs, ks, vs))
+    q8, k8, _, qs, ks, _, vm = prepare_ours(q, k, v)
+    vt, vs = fp8._quantize_v_kernel_layout(v, vm)
+    return jax.block_until_ready((q8, k8, vt, qs, ks, vs, vm))
 
-  def ours_vt(q8, k8, vt, qs, ks, vs):
+  def ours_vt(q8, k8, vt, qs, ks, vs, vm):
     att = AttentionConfig(softmax_scale=q8.shape[-1] ** -0.5, window_left=-1,
                           window_right=0 if causal else -1)
     cfg = fp8.Fp8Config(att, block_size=64, incoherent=False, return_lse=False)
-    return fp8._kernel_forward(cfg, v_transposed=True)(q8, k8, vt, qs, ks, vs)[0]
+    return fp8._kernel_forward(cfg, v_transposed=True)(q8, k8, vt, qs, ks, vs, vm)[0]
 
   # The whole user call from bf16: rotation + quantization of q and k (fused CUDA pass), v's
   # quantization (into the kernel's V layout) and the kernel, all inside the timing; `_prepass`:
@@ -194,8 +196,9 @@ def prep_rows(head_dims, seqlens, min_time):
   def xla_path(q, k, v, signs):
     q8, qs = fp8._xla_rotate_quantize(q, signs, True, 64)
     k8, ks = fp8._xla_rotate_quantize(k, signs, True, 64)
-    v8, vs = fp8._quantize(v.astype(jnp.float32), None)
-    return q8, k8, v8, qs, ks, vs
+    vm = fp8._v_mean(v)
+    v8, vs = fp8._quantize(v.astype(jnp.float32) - vm[:, None], None)
+    return q8, k8, v8, qs, ks, vs, vm
 
   def fused_path(q, k, v, signs):
     return fp8._rotate_and_quantize(q, k, v, signs, True, 64)
@@ -214,14 +217,17 @@ def prep_rows(head_dims, seqlens, min_time):
         t = _bench.median_seconds(jax.jit(fn), q, k, v, signs, min_time=min_time)
         row[f"{name}_us"] = t * 1e6
         row[f"{name}_gbps"] = min_bytes / t / 1e9
-      # Its parts: one rotated q/k (per 64-token block) and v (one scale per head), as is and
-      # in the kernel's V layout (what the user's call from bf16 runs). One jitted call runs a
+      # Its parts: one rotated q/k (per 64-token block) and v (centred, one scale per head; the
+      # XLA mean included), as is and in the kernel's V layout (what the user's call from bf16
+      # runs). One jitted call runs a
       # part on PART_COPIES distinct inputs: a single ~50 µs pass per call timed the host's
       # dispatch instead (thirteenth session: 72 µs here vs 52 in the standalone tool).
       copies = [q] + [q * (1 + 2.0**-6 * i) for i in range(1, PART_COPIES)]
       for name, fn in (("q_rotated", lambda x, s: fp8._rotate_quantize(x, s, True, 64)),
-                       ("v_per_head", lambda x, s: fp8._rotate_quantize(x, s, False, None)),
-                       ("v_kernel_layout", lambda x, s: fp8._quantize_v_kernel_layout(x))):
+                       ("v_per_head",
+                        lambda x, s: fp8._rotate_quantize(x, s, False, None, fp8._v_mean(x))),
+                       ("v_kernel_layout",
+                        lambda x, s: fp8._quantize_v_kernel_layout(x, fp8._v_mean(x)))):
         many = jax.jit(lambda xs, s, fn=fn: [fn(x, s) for x in xs])
         t = _bench.median_seconds(many, copies, signs, min_time=min_time) / PART_COPIES
         row[f"{name}_us"] = t * 1e6

@@ -68,17 +68,18 @@ def run_fp8_case(d, b, s_q, s_k, h, h_k, causal, window, block_size):
   v = jax.random.normal(keys[2], (b, s_k, h_k, d), jnp.float32)
   q8, q_scale = fp8.quantize_fp8(q, block_size=block_size)
   k8, k_scale = fp8.quantize_fp8(k, block_size=block_size)
-  v8, v_scale = fp8.quantize_fp8(v, block_size=None)
-  args = (q8, k8, v8, q_scale, k_scale, v_scale[..., 0])
+  v_mean = fp8._v_mean(v)  # centred, as the call from floats does
+  v8, v_scale = fp8.quantize_fp8(v - v_mean[:, None], block_size=None)
+  args = (q8, k8, v8, q_scale, k_scale, v_scale[..., 0], v_mean)
   dequant = lambda values, scales: fp8.dequantize_fp8(values, scales, block_size=block_size)
   att = AttentionConfig(softmax_scale=d**-0.5, window_left=window[0],
                         window_right=0 if causal else window[1])
   cfg = fp8.Fp8Config(att, block_size=block_size, incoherent=False, return_lse=False,
                       tile_k=128)  # the kernels' kBlockN, every bucket
-  out, _ = jax.jit(lambda *a: fp8.fp8_forward(*a, cfg))(*args)
+  out, _ = jax.jit(lambda *a: fp8.fp8_forward(*a[:6], cfg, v_mean=a[6]))(*args)
   cpu = jax.devices("cpu")[0]
   with jax.default_device(cpu):
-    emu, _ = jax.jit(lambda *a: fp8._emulated_forward(*a, cfg))(
+    emu, _ = jax.jit(lambda *a: fp8._emulated_forward(*a[:6], cfg, v_mean=a[6]))(
         *[jax.device_put(x, cpu) for x in args])
   # The fused rotate + quantize pass (quantize_fp8 above ran it unrotated) against the XLA path.
   signs = jax.random.rademacher(keys[0], (d,), dtype=jnp.float32)

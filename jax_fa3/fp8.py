@@ -9,8 +9,14 @@ path emulates: same e4m3 rounding, same blocks, same scales):
    matrix R = H·diag(signs) over head_dim (`hadamard_transform`, computed in float32 from the
    inputs). q·k is unchanged in exact arithmetic; an outlier coordinate is spread over all of them.
    V is not rotated.
-2. Quantization: q and k get one float32 scale per (batch, head, block of `block_size` tokens)
-   (default 64); v gets one scale per (batch, kv-head). A scale is amax(|block|) · float32(1/448)
+2. Centring of v (the call from floats; pre-quantized v may pass its own `v_mean`): μ = the
+   float32 mean of v over the keys per (batch, kv-head, dim) (`_v_mean`), and v - μ (float32) is
+   what gets quantized. The fp8 tensor cores add each P·V product into the float32 accumulator
+   with about 13 mantissa bits (aligned to the larger exponent, truncated): where V's values
+   share a sign nothing cancels, the accumulator grows with the keys and O came out 7% low at 4k
+   keys for V ~ N(2, 1) (H200) before this step; centred, V's terms cancel as zero-mean V's do.
+   Quantization: q and k get one float32 scale per (batch, head, block of `block_size` tokens)
+   (default 64); v - μ gets one scale per (batch, kv-head). A scale is amax(|block|) · float32(1/448)
    (448 being e4m3's largest finite value; 1.0 for an all-zero block, and never below float32's
    smallest normal) and the values are e4m3(clip(x · (1/scale), -448, 448)): a product with the
    correctly rounded float32 reciprocal (what XLA makes of x / scale anyway; a true division
@@ -32,14 +38,15 @@ path emulates: same e4m3 rounding, same blocks, same scales):
    is needed), 6 here instead of FA3's 8 so that P ∈ [0, 2^2.8] fits e4m3's range
    [2^-9, 445.7] (P below 2^-16 rounds to zero, below 2^-12 is subnormal). The row sum is
    accumulated from the float32 P before quantization (as FA3 does).
-5. O = (Σ P8 · v8) · v_scale / (2^6 · row sum), accumulated in float32, rounded to bfloat16 (the
-   kernel's output type), then cast to q's dtype. LSE is float32, natural log, of the descaled
+5. O = (Σ P8 · v8) · v_scale / (2^6 · row sum) + μ, accumulated in float32 (the sum of a row's
+   weights is one, so adding μ back is exact for any μ), rounded to bfloat16 (the kernel's output
+   type), then cast to q's dtype. LSE is float32, natural log, of the descaled
    scores (+inf and output 0 for rows that see no key).
 
 On a Hopper GPU, steps 1–2 for q and k run as one fused CUDA pass (`jax_fa3_rotate_quantize_fp8`:
 one read of the bf16/fp16/fp32 input, the butterflies in registers, one e4m3 write) instead of
 XLA's float32 copy, transform and quantization; its quantization is the pure-JAX one bit for bit
-(scales and, without rotation, values), and its butterflies are those of `hadamard_transform`'s
+(scales and, without rotation, values, centred or not), and its butterflies are those of `hadamard_transform`'s
 pure-JAX form in the same order; only the last rounding of the 1/sqrt(d) factor can differ from
 XLA's (one float32 ulp, so an e4m3 value rarely moves by one step). v's quantization in the
 same pass writes the kernel's V layout directly (keys contiguous, permuted inside groups of 32,
@@ -191,10 +198,18 @@ def _quantize(x, block_size):
   return values, scales
 
 
-def _xla_rotate_quantize(x, signs, rotate: bool, block_size):
+def _no_mean():
+  """The mean operand of a pass that subtracts none (an empty array: the CUDA pass's 'none')."""
+  return jnp.zeros((0,), jnp.float32)
+
+
+def _xla_rotate_quantize(x, signs, rotate: bool, block_size, mean=None):
+  """mean: (b, h, d) float32 subtracted after the rotation; None or empty (`_no_mean`): none."""
   x = x.astype(jnp.float32)
   if rotate:
     x = hadamard_transform(x, signs=signs)
+  if mean is not None and mean.size:
+    x = x - mean[:, None]
   return _quantize(x, block_size)
 
 
@@ -223,14 +238,15 @@ def _keys_transposed(values):
   return jnp.transpose(padded[:, slots], (0, 2, 3, 1))
 
 
-def _xla_quantize_keys_transposed(x, signs, rotate: bool):
-  values, scales = _xla_rotate_quantize(x, signs, rotate, None)
+def _xla_quantize_keys_transposed(x, signs, mean, rotate: bool):
+  values, scales = _xla_rotate_quantize(x, signs, rotate, None, mean)
   return _keys_transposed(values), scales
 
 
 def _fused_rotate_quantize(rotate: bool, block_size: int | None, keys_transposed: bool = False):
-  """The CUDA pass as a function of (x, signs32); vmap folds a mapped axis into the batch.
+  """The CUDA pass as a function of (x, signs32, mean); vmap folds a mapped axis into the batch.
 
+  mean: (b, h, d) float32 to subtract before quantizing, or empty (`_no_mean`) for none.
   keys_transposed (one block per head only): values come back in the fp8 kernel's V layout
   (b, h, d, s_pad), see `_keys_transposed`.
   """
@@ -238,47 +254,58 @@ def _fused_rotate_quantize(rotate: bool, block_size: int | None, keys_transposed
   _ffi.ensure_registered()
 
   @jax.custom_batching.custom_vmap
-  def call(x, signs32):
+  def call(x, signs32, mean):
     b, s, h, d = x.shape
     block = s if block_size is None else min(block_size, s)  # the same blocks
     values_shape = (b, h, d, -(-s // KEY_PAD) * KEY_PAD) if keys_transposed else x.shape
     result_types = (jax.ShapeDtypeStruct(values_shape, E4M3),
                     jax.ShapeDtypeStruct((b, h, -(-s // block)), jnp.float32))
     values, scales = jax.ffi.ffi_call(ROTATE_QUANTIZE_TARGET, result_types)(
-        x, signs32, rotate=np.bool_(rotate), block_size=np.int32(block),
+        x, signs32, mean, rotate=np.bool_(rotate), block_size=np.int32(block),
         keys_transposed=np.bool_(keys_transposed))
     return values, scales
 
   @call.def_vmap
-  def _rule(axis_size, in_batched, x, signs32):
-    x_batched, signs_batched = in_batched
+  def _rule(axis_size, in_batched, x, signs32, mean):
+    x_batched, signs_batched, mean_batched = in_batched
     if signs_batched:  # a rotation per lane: the XLA path, lane by lane
       if keys_transposed:
         lane = functools.partial(_xla_quantize_keys_transposed, rotate=rotate)
       else:
-        lane = functools.partial(_xla_rotate_quantize, rotate=rotate, block_size=block_size)
-      return jax.vmap(lane, in_axes=(0 if x_batched else None, 0))(x, signs32), (True, True)
-    if not x_batched:
-      x = jnp.broadcast_to(x[None], (axis_size,) + x.shape)
-    values, scales = call(x.reshape((axis_size * x.shape[1],) + x.shape[2:]), signs32)
+        lane = lambda x, s, m: _xla_rotate_quantize(x, s, rotate, block_size, m)
+      in_axes = (0 if x_batched else None, 0, 0 if mean_batched else None)
+      return jax.vmap(lane, in_axes=in_axes)(x, signs32, mean), (True, True)
+    fold = lambda a: a.reshape((axis_size * a.shape[1],) + a.shape[2:])
+    spread = lambda a: jnp.broadcast_to(a[None], (axis_size,) + a.shape)
+    x = fold(x if x_batched else spread(x))
+    if mean.size:  # per (batch, head) like x; an empty one stays empty
+      mean = fold(mean if mean_batched else spread(mean))
+    values, scales = call(x, signs32, mean)
     unfold = lambda a: a.reshape((axis_size, a.shape[0] // axis_size) + a.shape[1:])
     return (unfold(values), unfold(scales)), (True, True)
 
   return call
 
 
-def _rotate_quantize(x, signs32, rotate: bool, block_size):
-  """(values, scales) of x, rotated by H·diag(signs32) first when `rotate`.
+def _rotate_quantize(x, signs32, rotate: bool, block_size, mean=None):
+  """(values, scales) of x, rotated by H·diag(signs32) first when `rotate`, then less `mean`
+  ((b, h, d) float32) when given.
 
   One fused CUDA pass on a Hopper GPU where it applies (`_fused_quantize_supported`), else XLA:
   a float32 copy, `hadamard_transform`, then `_quantize`. Same numerics (the module docstring).
   """
-  xla = functools.partial(_xla_rotate_quantize, rotate=rotate, block_size=block_size)
+  mean = _no_mean() if mean is None else mean
+  xla = lambda x, s, m: _xla_rotate_quantize(x, s, rotate, block_size, m)
   if not _fused_quantize_supported(x, block_size):
-    return xla(x, signs32)
+    return xla(x, signs32, mean)
   _ffi.ensure_registered()
-  return lax.platform_dependent(x, signs32, cuda=_fused_rotate_quantize(rotate, block_size),
-                                default=xla)
+  return lax.platform_dependent(x, signs32, mean,
+                                cuda=_fused_rotate_quantize(rotate, block_size), default=xla)
+
+
+def _v_mean(v):
+  """float32 (b, h_k, d): v's mean over the keys, by which the call from floats centres v."""
+  return jnp.sum(v.astype(jnp.float32), axis=1) / jnp.float32(max(v.shape[1], 1))
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
@@ -381,8 +408,10 @@ def _key_tiles(x, block_k):
   return jnp.moveaxis(x.reshape(b, n, block_k, h_k, e), 1, 0)
 
 
-def _emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
+def _emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config, v_mean=None):
   """Pure-JAX emulation of the kernel's numerics (see the module docstring). -> (out bf16, lse).
+
+  v_mean: float32 (b, h_k, d) that v was centred by (added back to rows that see a key), or None.
 
   All query rows at once (rows are independent, so query blocking cannot change the numerics;
   memory is O(s_q · (d + tile_k)) per head), an online softmax over key tiles of cfg.tile_k, last
@@ -433,7 +462,10 @@ def _emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
   empty = row_sum == 0  # no visible key: output 0, lse +inf
   safe_sum = jnp.where(empty, 1.0, row_sum)
   v_descale = v_scale[:, :, None, None] / p_offset  # (b, h_k, 1, 1)
-  out = jnp.where(empty[..., None], 0.0, acc * (v_descale / safe_sum)[..., None])
+  out = acc * (v_descale / safe_sum)[..., None]
+  if v_mean is not None:
+    out = out + v_mean.astype(f32)[:, :, None, None, :]
+  out = jnp.where(empty[..., None], 0.0, out)
   lse = jnp.where(empty, jnp.inf, (row_max + jnp.log2(safe_sum)) * f32(math.log(2.0)))
   out = jnp.einsum("bhgqd->bqhgd", out).reshape(b, s_q, h, d).astype(jnp.bfloat16)
   return out, lse.reshape(b, h, s_q)
@@ -447,7 +479,7 @@ def _kernel_forward(cfg: Fp8Config, v_transposed: bool = False):
   _ffi.ensure_registered()
   att = cfg.attention
 
-  def call(q8, k8, v8, q_scale, k_scale, v_scale):
+  def call(q8, k8, v8, q_scale, k_scale, v_scale, v_mean):
     b, s_q, h, d = q8.shape
     s_k, h_k = k8.shape[1], k8.shape[2]
     # V transposed unless v arrives so, per-key k scales, the tail split's slots: the size lives
@@ -461,7 +493,7 @@ def _kernel_forward(cfg: Fp8Config, v_transposed: bool = False):
                     # the call's temporaries (the FFI ScratchAllocator gave nothing on the H200)
                     jax.ShapeDtypeStruct((workspace,), jnp.uint8))
     out, lse, _ = jax.ffi.ffi_call(KERNEL_TARGET, result_types)(
-        q8, k8, v8, q_scale, k_scale, v_scale, softmax_scale=np.float32(att.softmax_scale),
+        q8, k8, v8, q_scale, k_scale, v_scale, v_mean, softmax_scale=np.float32(att.softmax_scale),
         window_left=np.int32(att.window_left), window_right=np.int32(att.window_right),
         block_size=np.int32(cfg.block_size), v_transposed=np.bool_(v_transposed))
     return out, lse
@@ -491,33 +523,40 @@ def _kernel_unavailable_reason(d: int | None = None) -> str | None:
   return None
 
 
-@functools.partial(jax.jit, static_argnums=(6,))
-def _fp8_forward_jit(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
-  emulate = functools.partial(_emulated_forward, cfg=cfg)
+@functools.partial(jax.jit, static_argnums=(7,))
+def _fp8_forward_jit(q8, k8, v8, q_scale, k_scale, v_scale, v_mean, cfg: Fp8Config):
+  def emulate(*args):
+    return _emulated_forward(*args[:6], cfg, v_mean=args[6])
   reason = _kernel_unavailable_reason(q8.shape[-1])
   if reason is not None:
     _ffi.announce_once(f"fp8:{reason}", f"jax_fa3: emulating the fp8 attention kernel in pure "
                        f"JAX: {reason}")
-    return emulate(q8, k8, v8, q_scale, k_scale, v_scale)
+    return emulate(q8, k8, v8, q_scale, k_scale, v_scale, v_mean)
   _ffi.ensure_registered()
-  return lax.platform_dependent(q8, k8, v8, q_scale, k_scale, v_scale,
+  return lax.platform_dependent(q8, k8, v8, q_scale, k_scale, v_scale, v_mean,
                                 cuda=_kernel_forward(cfg), default=emulate)
 
 
-def fp8_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config):
-  """(out bf16, lse f32) from quantized inputs: v_scale (b, h_k). Kernel on Hopper, else emulated."""
+def fp8_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config, v_mean=None):
+  """(out bf16, lse f32) from quantized inputs: v_scale (b, h_k), v_mean float32 (b, h_k, d) that
+  v was centred by (None: 0). Kernel on Hopper, else emulated."""
   # Only the attention options, block size and tile shape the computation (one compilation for
   # rotated and unrotated inputs, with or without a returned lse).
   cfg = dataclasses.replace(cfg, incoherent=False, return_lse=False)
-  return _fp8_forward_jit(q8, k8, v8, q_scale, k_scale, v_scale, cfg)
+  if v_mean is None:
+    b, _, h_k, d = k8.shape
+    v_mean = jnp.zeros((b, h_k, d), jnp.float32)
+  return _fp8_forward_jit(q8, k8, v8, q_scale, k_scale, v_scale, v_mean, cfg)
 
 
 @functools.partial(jax.jit, static_argnums=(4, 5))
 def _rotate_and_quantize(q, k, v, signs, incoherent: bool, block_size: int):
+  """The seven inputs of `fp8_forward` from floats: v centred by its mean (module docstring)."""
   q8, q_scale = _rotate_quantize(q, signs, incoherent, block_size)
   k8, k_scale = _rotate_quantize(k, signs, incoherent, block_size)
-  v8, v_scale = _rotate_quantize(v, signs, False, None)
-  return q8, k8, v8, q_scale, k_scale, v_scale[..., 0]
+  v_mean = _v_mean(v)
+  v8, v_scale = _rotate_quantize(v, signs, False, None, v_mean)
+  return q8, k8, v8, q_scale, k_scale, v_scale[..., 0], v_mean
 
 
 def _v_transposed_by_quantize(v, cfg: Fp8Config) -> bool:
@@ -527,25 +566,27 @@ def _v_transposed_by_quantize(v, cfg: Fp8Config) -> bool:
           and _fused_quantize_supported(v, None))
 
 
-def _quantize_v_kernel_layout(v):
-  """(vt, v_scale (b, h_k)): v quantized (one scale per head, no rotation) by the CUDA pass
-  straight into the fp8 kernel's V layout (b, h_k, d, s_pad); GPU only."""
+def _quantize_v_kernel_layout(v, v_mean=None):
+  """(vt, v_scale (b, h_k)): v (less v_mean (b, h_k, d) when given) quantized (one scale per
+  head, no rotation) by the CUDA pass straight into the fp8 kernel's V layout (b, h_k, d, s_pad);
+  GPU only."""
   vt, v_scale = _fused_rotate_quantize(False, None, keys_transposed=True)(
-      v, jnp.ones(v.shape[-1:], jnp.float32))
+      v, jnp.ones(v.shape[-1:], jnp.float32), _no_mean() if v_mean is None else v_mean)
   return vt, v_scale[..., 0]
 
 
 def _kernel_from_float(q, k, v, signs, cfg: Fp8Config):
-  """The GPU branch: q, k quantized as everywhere, v straight into the kernel's layout."""
+  """The GPU branch: q, k quantized as everywhere, v centred straight into the kernel's layout."""
   q8, q_scale = _rotate_quantize(q, signs, cfg.incoherent, cfg.block_size)
   k8, k_scale = _rotate_quantize(k, signs, cfg.incoherent, cfg.block_size)
-  vt, v_scale = _quantize_v_kernel_layout(v)
-  return _kernel_forward(cfg, v_transposed=True)(q8, k8, vt, q_scale, k_scale, v_scale)
+  v_mean = _v_mean(v)
+  vt, v_scale = _quantize_v_kernel_layout(v, v_mean)
+  return _kernel_forward(cfg, v_transposed=True)(q8, k8, vt, q_scale, k_scale, v_scale, v_mean)
 
 
 def _float_path(q, k, v, signs, cfg: Fp8Config):
-  quantized = _rotate_and_quantize(q, k, v, signs, cfg.incoherent, cfg.block_size)
-  return fp8_forward(*quantized, cfg)
+  *quantized, v_mean = _rotate_and_quantize(q, k, v, signs, cfg.incoherent, cfg.block_size)
+  return fp8_forward(*quantized, cfg, v_mean=v_mean)
 
 
 @functools.partial(jax.jit, static_argnums=(4,))
@@ -645,14 +686,14 @@ def _check_signs(signs, d):
 
 def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                         incoherent=True, block_size=None, key=None, signs=None,
-                        return_lse=False):
+                        return_lse=False, v_mean=None):
   """Attention with q, k, v quantized to FP8 (e4m3): FlashAttention-3's FP8 forward.
 
   q and k are rotated by the same random orthogonal matrix H·diag(signs) (incoherent processing,
   `hadamard_transform`), then q and k are quantized to e4m3 with one float32 scale per (batch,
-  head, block of `block_size` tokens) and v with one scale per (batch, kv-head); the attention runs
-  on the fp8 values (P quantized as e4m3(2^6·P)), accumulates in float32 and returns bfloat16 from
-  the kernel. See the docstring of `jax_fa3.fp8` for the exact numerics; without a Hopper GPU and
+  head, block of `block_size` tokens) and v, centred by its mean over the keys, with one scale
+  per (batch, kv-head); the attention runs on the fp8 values (P quantized as e4m3(2^6·P)),
+  accumulates in float32, adds v's mean back and returns bfloat16 from the kernel. See the docstring of `jax_fa3.fp8` for the exact numerics; without a Hopper GPU and
   the fp8 kernel, a pure-JAX path emulates them exactly (announced once on the `jax_fa3` logger).
 
   Args:
@@ -676,6 +717,11 @@ def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_siz
       model variable); give `key` or `signs`, not both.
     return_lse: also return the float32 (batch, heads, seqlen_q) natural-log log-sum-exp of the
       (fp8) scores.
+    v_mean: pre-quantized v only: the (batch, heads_k, head_dim) float32 mean that v was centred
+      by before `quantize_fp8` (v quantized as v - v_mean[:, None]); it is added back to every
+      output row that sees a key. Centre v whose values share a sign: the fp8 tensor cores
+      accumulate P·V with about 13 mantissa bits, so an uncentred V with a large mean comes out
+      low at long sequences (docs/CONTRACTS.md). Arrays are centred by the call itself.
 
   Returns:
     out (batch, seqlen_q, heads, head_dim) in q's dtype (bfloat16 for pre-quantized inputs), or
@@ -696,7 +742,10 @@ def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_siz
     return _flash_attention_prequantized(q, k, v, pairs, softmax_scale=softmax_scale,
                                          causal=causal, window_size=window_size,
                                          incoherent=incoherent, block_size=block_size,
-                                         return_lse=return_lse)
+                                         return_lse=return_lse, v_mean=v_mean)
+  if v_mean is not None:
+    raise ValueError("v_mean is for pre-quantized v (a (values, scales) pair); a float v is "
+                     "centred by the call itself")
   check_attention_shapes(q, k, v)
   check_attention_dtypes(q, k, v, allowed=FP8_INPUT_DTYPES)
   att = attention_config(q, k, v, softmax_scale=softmax_scale, causal=causal,
@@ -714,8 +763,21 @@ def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_siz
   return (out, lse) if return_lse else out
 
 
+def _check_v_mean(v_mean, k8):
+  if v_mean is None:
+    return None
+  b, _, h_k, d = k8.shape
+  check_array("v_mean", v_mean)
+  if not jnp.issubdtype(v_mean.dtype, jnp.floating):
+    raise TypeError(f"v_mean must be a floating array (used as float32), got {v_mean.dtype}")
+  if tuple(v_mean.shape) != (b, h_k, d):
+    raise ValueError(f"v_mean must have shape {(b, h_k, d)} (batch, heads_k, head_dim), got "
+                     f"{tuple(v_mean.shape)}")
+  return jnp.asarray(v_mean, jnp.float32)
+
+
 def _flash_attention_prequantized(q, k, v, pairs, *, softmax_scale, causal, window_size,
-                                  incoherent, block_size, return_lse):
+                                  incoherent, block_size, return_lse, v_mean):
   if not all(pairs):
     raise TypeError("q, k and v must be all arrays or all (values, scales) pairs from "
                     "quantize_fp8, got " + ", ".join(
@@ -733,6 +795,7 @@ def _flash_attention_prequantized(q, k, v, pairs, *, softmax_scale, causal, wind
   q_scale = _check_quantized("q", q8, q_scale, block_size)
   k_scale = _check_quantized("k", k8, k_scale, block_size)
   v_scale = _check_quantized("v", v8, v_scale, None, allow_per_head=True)
+  v_mean = _check_v_mean(v_mean, k8)
   left, right = check_window(window_size)
   if causal:
     if right > 0:
@@ -741,5 +804,5 @@ def _flash_attention_prequantized(q, k, v, pairs, *, softmax_scale, causal, wind
   att = AttentionConfig(softmax_scale=check_softmax_scale(softmax_scale, q8.shape[-1]),
                         window_left=left, window_right=right)
   cfg = Fp8Config(att, block_size=block_size, incoherent=False, return_lse=return_lse)
-  out, lse = fp8_forward(q8, k8, v8, q_scale, k_scale, v_scale[..., 0], cfg)
+  out, lse = fp8_forward(q8, k8, v8, q_scale, k_scale, v_scale[..., 0], cfg, v_mean=v_mean)
   return (out, lse) if return_lse else out

@@ -95,7 +95,7 @@ def _dense_emulation(q, k, v, *, softmax_scale, block_size, signs=None, window_r
   """Independent NumPy/ml_dtypes model of the kernel's numerics: rotate, quantize, exact e4m3
   products, e4m3(2^6 · P), an online softmax over key tiles of tile_k (None: one tile, so the
   running max is the row max), last tile first, whose running max moves only when a tile's
-  scores exceed it by more than `margin` (log2 units)."""
+  scores exceed it by more than `margin` (log2 units); v centred by its mean over the keys."""
   e4m3 = ml_dtypes.float8_e4m3fn
 
   def quant(x, block):
@@ -116,7 +116,8 @@ def _dense_emulation(q, k, v, *, softmax_scale, block_size, signs=None, window_r
     q, k = (np.asarray(rotate(jnp.asarray(x))) for x in (q, k))
   q8, qs = quant(q, block_size)
   k8, ks = quant(k, block_size)
-  v8, vs = quant(v, None)
+  v_mean = v.mean(axis=1, dtype=np.float64).astype(np.float32)  # centred v (fp8.py, step 2)
+  v8, vs = quant(v - v_mean[:, None], None)
   h, h_k = q.shape[2], k.shape[2]
   rep = lambda x: np.repeat(x, h // h_k, axis=2)
   scores = np.einsum("bqhd,bkhd->bhqk", q8.astype(np.float64), rep(k8).astype(np.float64))
@@ -146,7 +147,7 @@ def _dense_emulation(q, k, v, *, softmax_scale, block_size, signs=None, window_r
                                                  rep(v8)[:, start:start + tile_k])
       row_max = new_max
   out = np.einsum("bhqd->bqhd", acc / (offset * row_sum[..., None]))
-  return out * rep(vs)[:, 0:1, :, :]
+  return out * rep(vs)[:, 0:1, :, :] + rep(v_mean[:, None])
 
 
 @pytest.mark.parametrize("incoherent,causal", [(False, False), (True, True)])
@@ -220,6 +221,45 @@ def test_empty_rows_and_output_dtypes():
   assert out16.dtype == jnp.float16
 
 
+def test_v_is_centred_by_its_mean():
+  """v less its mean over the keys is what gets quantized, and the mean comes back in the output
+  (fp8.py, step 2): V constant per (head, dim) returns exactly (its centred values are all zero);
+  a V with a large mean keeps the relative accuracy of a zero-mean one against float64, and the
+  rows that see no key stay 0."""
+  q, k, _ = _normal(12, (1, 40, 2, 32), (1, 300, 1, 32), (1, 300, 1, 32))
+  level = np.random.default_rng(12).uniform(-3.0, 3.0, (1, 1, 1, 32))
+  v = jnp.asarray(np.broadcast_to(level, (1, 300, 1, 32)), jnp.bfloat16)
+  out = flash_attention_fp8(q, k, v, causal=True)
+  np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                np.broadcast_to(np.asarray(v[:, :1], np.float32), out.shape))
+  noise = _normal(13, (1, 300, 1, 32))[0]
+  shifted = (noise.astype(jnp.float32) + 2.0).astype(jnp.bfloat16)
+  ref, _ = attention_oracle(*_f64(q, k, shifted), softmax_scale=32**-0.5)
+  ref0, _ = attention_oracle(*_f64(q, k, noise), softmax_scale=32**-0.5)
+  # The error is that of the centred part: the same as for zero-mean v (shifted is noise + 2
+  # rounded to bf16, so not exactly), far below |O| ~ 2.
+  err = _rmse(flash_attention_fp8(q, k, shifted), ref)
+  err0 = _rmse(flash_attention_fp8(q, k, noise), ref0)
+  assert err < 1.5 * err0 and err < 0.02 * np.sqrt(np.mean(ref**2)), (err, err0)
+  # Window (0, 0) with s_q > s_k: the first queries see no key and stay 0, mean or not.
+  out = flash_attention_fp8(q[:, :40], k[:, :8], shifted[:, :8], window_size=(0, 0))
+  assert np.all(np.asarray(out)[:, :32] == 0) and np.all(np.asarray(out)[:, 32:] != 0)
+
+
+def test_prequantized_v_mean_is_added_back():
+  q, k, v = _normal(14, (1, 50, 2, 32), (1, 60, 2, 32), (1, 60, 2, 32))
+  pairs = (quantize_fp8(q), quantize_fp8(k), quantize_fp8(v, block_size=None))
+  mean = jnp.asarray(np.random.default_rng(14).uniform(-1, 1, (1, 2, 32)), jnp.float32)
+  plain, lse = flash_attention_fp8(*pairs, incoherent=False, return_lse=True)
+  shifted, lse2 = flash_attention_fp8(*pairs, incoherent=False, return_lse=True, v_mean=mean)
+  # O + mean is added in float32 before the bf16 output: against bf16(O) + mean the two differ
+  # by the two bf16 roundings, each at most half a step (2^-6 for |values| < 4).
+  np.testing.assert_allclose(np.asarray(shifted, np.float32),
+                             np.asarray(plain, np.float32) + np.asarray(mean)[:, None],
+                             atol=2.0**-6, rtol=0)
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))
+
+
 def _outlier_inputs(seed, b, s, h, d):
   """N(0,1) + N(0, variance 100) · Bernoulli(0.001) (FA3 paper, Table 3), rounded to bf16."""
   rng = np.random.default_rng(seed)
@@ -265,12 +305,21 @@ def test_key_signs_and_prequantized_paths_agree():
       np.asarray(flash_attention_fp8(q, k, v)),
       np.asarray(flash_attention_fp8(q, k, v, key=jax.random.PRNGKey(0))))
   assert not np.array_equal(np.asarray(by_key), np.asarray(flash_attention_fp8(q, k, v)))
-  # Rotating and quantizing by hand, then passing (values, scales) pairs: the same numbers.
+  # Rotating, centring and quantizing by hand, then passing (values, scales) pairs and v's mean:
+  # the same numbers.
   rot = jax.jit(lambda x: jax_fa3.hadamard_transform(x.astype(jnp.float32), signs=signs))
-  pre = flash_attention_fp8(quantize_fp8(rot(q)), quantize_fp8(rot(k)),
-                            quantize_fp8(v, block_size=None), incoherent=False)
+  v_mean = jnp.mean(v.astype(jnp.float32), axis=1)
+  centred_v = quantize_fp8(v.astype(jnp.float32) - v_mean[:, None], block_size=None)
+  pre = flash_attention_fp8(quantize_fp8(rot(q)), quantize_fp8(rot(k)), centred_v,
+                            incoherent=False, v_mean=v_mean)
   np.testing.assert_array_equal(np.asarray(pre), np.asarray(by_signs))
   assert pre.dtype == jnp.bfloat16
+  # Without v_mean, pre-quantized v is taken as it is: uncentred v agrees to fp8 precision.
+  plain = flash_attention_fp8(quantize_fp8(rot(q)), quantize_fp8(rot(k)),
+                              quantize_fp8(v, block_size=None), incoherent=False)
+  centred = np.asarray(by_signs, np.float64)
+  assert not np.array_equal(np.asarray(plain, np.float64), centred)
+  assert _rmse(plain, centred) < 0.05 * np.sqrt(np.mean(centred**2))
 
 
 def test_gradients_are_straight_through():
@@ -365,6 +414,15 @@ _Q, _K, _V = _normal(11, (1, 8, 2, 16), (1, 8, 1, 16), (1, 8, 1, 16))
      {"incoherent": False}, ValueError, r"q scales must have shape \(1, 2, 1\)"),
     (((_Q, quantize_fp8(_Q)[1]), quantize_fp8(_K), quantize_fp8(_V, block_size=None)),
      {"incoherent": False}, TypeError, "q values must be float8_e4m3fn"),
+    ((_Q, _K, _V), {"v_mean": jnp.zeros((1, 1, 16))}, ValueError, "v_mean is for pre-quantized v"),
+    ((quantize_fp8(_Q), quantize_fp8(_K), quantize_fp8(_V, block_size=None)),
+     {"incoherent": False, "v_mean": jnp.zeros((1, 16))}, ValueError,
+     r"v_mean must have shape \(1, 1, 16\)"),
+    ((quantize_fp8(_Q), quantize_fp8(_K), quantize_fp8(_V, block_size=None)),
+     {"incoherent": False, "v_mean": jnp.zeros((1, 1, 16), jnp.int32)}, TypeError,
+     "v_mean must be a floating array"),
+    ((quantize_fp8(_Q), quantize_fp8(_K), quantize_fp8(_V, block_size=None)),
+     {"incoherent": False, "v_mean": [0.0] * 16}, TypeError, "v_mean must be a JAX or NumPy array"),
 ])
 def test_bad_inputs_raise_clear_errors(args, kwargs, error, message):
   with pytest.raises(error, match=message):

@@ -37,15 +37,18 @@ def _signs(d):
   return jax.random.rademacher(jax.random.PRNGKey(d), (d,), dtype=jnp.float32)
 
 
-def _pure_jax(x, signs, rotate, block_size):
+def _pure_jax(x, signs, rotate, block_size, mean=None):
   """The CPU path's numerics, computed on the CPU: XLA on the GPU compiles `_quantize` for long
   blocks into code whose products differ in the last bit (1-10 e4m3 values per 1e5 moved by a
-  step on the H200), while XLA:CPU agrees with exact IEEE float32 (checked against NumPy)."""
+  step on the H200), while XLA:CPU agrees with exact IEEE float32 (checked against NumPy).
+  mean: (b, h, d) subtracted after the rotation (v's centring)."""
   cpu = jax.devices("cpu")[0]
   with jax.default_device(cpu):
     x = jax.device_put(x, cpu).astype(jnp.float32)
     if rotate:
       x = _hadamard_reference(x, jax.device_put(signs, cpu))
+    if mean is not None:
+      x = x - jax.device_put(mean, cpu)[:, None]
     return fp8._quantize(x, block_size)
 
 
@@ -118,6 +121,33 @@ def test_keys_transposed_is_the_plain_pass_in_the_kernel_layout(d, seqlen):
                                 np.asarray(fp8._keys_transposed(values)).view(np.uint8))
 
 
+@pytest.mark.parametrize("d", [32, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("seqlen", [1, 77, 300, 1000])
+def test_centred_v_matches_pure_jax(d, dtype, seqlen):
+  """v's centring (fp8.py, step 2): v less its mean over the keys, quantized with one scale per
+  head, in the plain layout (the chunked passes) and in the kernel's: bit for bit XLA's
+  quantization of the same float32 differences, amax and padding included (poisoned outputs)."""
+  x = (_inputs(d + seqlen + 5, (2, seqlen, 3, d), jnp.float32) + 3.0).astype(dtype)
+  mean = jax.jit(fp8._v_mean)(x)
+  assert float(jnp.mean(mean)) > 2.0  # a real shift (the case the centring is for)
+  ref_values, ref_scales = _pure_jax(x, None, False, None, mean)
+  fn = jax.jit(lambda x, m: fp8._rotate_quantize(x, _signs(d), False, None, m))
+  assert fp8.ROTATE_QUANTIZE_TARGET in fn.lower(x, mean).as_text()
+  values, scales = fn(x, mean)
+  np.testing.assert_array_equal(np.asarray(scales), np.asarray(ref_scales))
+  np.testing.assert_array_equal(np.asarray(values).view(np.uint8),
+                                np.asarray(ref_values).view(np.uint8))
+  vt, vt_scales = jax.jit(fp8._quantize_v_kernel_layout)(x, mean)
+  np.testing.assert_array_equal(np.asarray(vt_scales), np.asarray(ref_scales)[..., 0])
+  np.testing.assert_array_equal(np.asarray(vt).view(np.uint8),
+                                np.asarray(fp8._keys_transposed(ref_values)).view(np.uint8))
+  # The centred values span e4m3's range on their own: amax(|v - mean|) is 448 · scale (one key
+  # alone is its own mean: all zeros, scale 1).
+  expected_amax = 448.0 if seqlen > 1 else 0.0
+  assert float(jnp.max(jnp.abs(values.astype(jnp.float32)))) == expected_amax
+
+
 def test_keys_transposed_vmap_folds_into_batch():
   x = _inputs(9, (6, 200, 2, 64), jnp.float16).reshape(3, 2, 200, 2, 64)
   vt = jax.jit(jax.vmap(lambda x: _fused_keys_transposed(x)[0]))(x)
@@ -174,12 +204,13 @@ def test_vmap_folds_into_batch():
 
 _FFI_CALL = """
     def call(x, values_shape, scales_shape, block_size=64, rotate=True, signs_len=None,
-             keys_transposed=False):
+             keys_transposed=False, mean_shape=(0,)):
       d = x.shape[-1]
       types = (jax.ShapeDtypeStruct(values_shape, jnp.float8_e4m3fn),
                jax.ShapeDtypeStruct(scales_shape, jnp.float32))
       return jax.ffi.ffi_call("jax_fa3_rotate_quantize_fp8", types)(
-          x, jnp.ones((signs_len or d,), jnp.float32), rotate=np.bool_(rotate),
+          x, jnp.ones((signs_len or d,), jnp.float32), jnp.zeros(mean_shape, jnp.float32),
+          rotate=np.bool_(rotate),
           block_size=np.int32(block_size), keys_transposed=np.bool_(keys_transposed))
 """
 
@@ -202,6 +233,9 @@ _FFI_CALL = """
      "result = lambda: call(x, x.shape, (1, 2, 1), block_size=100, keys_transposed=True)",
      "keys-transposed values must have shape (batch, heads, head_dim, seqlen rounded up to 32) = "
      "(1, 2, 64, 128)"),
+    ("x = jnp.ones((1, 64, 2, 64), jnp.bfloat16)\n    "
+     "result = lambda: call(x, x.shape, (1, 2, 1), mean_shape=(1, 64, 2))",
+     "mean must have shape (1, 2, 64) (batch, heads, head_dim) or be empty"),
 ])
 def test_handler_rejects_bad_calls_with_ffi_error(body, expected):
   message = ffi_error_message(_FFI_CALL + "\n    " + body + "\n")

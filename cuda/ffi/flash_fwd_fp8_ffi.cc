@@ -28,7 +28,8 @@ bool dims_are(ffi::AnyBuffer::Dimensions dims, std::initializer_list<int64_t> ex
 
 ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                               ffi::AnyBuffer v, ffi::AnyBuffer q_scale, ffi::AnyBuffer k_scale,
-                              ffi::AnyBuffer v_scale, ffi::Result<ffi::AnyBuffer> out,
+                              ffi::AnyBuffer v_scale, ffi::AnyBuffer v_mean,
+                              ffi::Result<ffi::AnyBuffer> out,
                               ffi::Result<ffi::AnyBuffer> lse,
                               ffi::Result<ffi::AnyBuffer> workspace, float softmax_scale,
                               int32_t window_left, int32_t window_right, int32_t block_size,
@@ -90,6 +91,11 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
     return invalid("flash_fwd_fp8: v_scale must have shape (b, h_k) = (", b, ", ", h_k, "), got ",
                    shape_str(v_scale.dimensions()));
   }
+  if (v_mean.element_type() != kF32) return invalid("flash_fwd_fp8: v_mean must be float32");
+  if (!dims_are(v_mean.dimensions(), {b, h_k, d})) {
+    return invalid("flash_fwd_fp8: v_mean must have shape (b, h_k, d) = (", b, ", ", h_k, ", ", d,
+                   "), got ", shape_str(v_mean.dimensions()));
+  }
   if (out->element_type() != ffi::DataType::BF16) return invalid("flash_fwd_fp8: out must be bfloat16");
   if (!dims_are(out->dimensions(), {b, s_q, h, d})) {
     return invalid("flash_fwd_fp8: out must have q's shape ", shape_str(qd), ", got ",
@@ -137,6 +143,7 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
   params.q_scale = static_cast<const float*>(q_scale.untyped_data());
   params.k_scale = static_cast<const float*>(k_scale.untyped_data());
   params.v_scale = static_cast<const float*>(v_scale.untyped_data());
+  params.v_mean = static_cast<const float*>(v_mean.untyped_data());
   params.o = out->untyped_data();
   params.lse = static_cast<float*>(lse->untyped_data());
   params.workspace = workspace->untyped_data();
@@ -182,6 +189,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashFwdFp8, jax_fa3::flash_fwd_fp8_impl,
                                   .Arg<xla::ffi::AnyBuffer>()   // q_scale
                                   .Arg<xla::ffi::AnyBuffer>()   // k_scale
                                   .Arg<xla::ffi::AnyBuffer>()   // v_scale
+                                  .Arg<xla::ffi::AnyBuffer>()   // v_mean
                                   .Ret<xla::ffi::AnyBuffer>()   // out bf16
                                   .Ret<xla::ffi::AnyBuffer>()   // lse f32
                                   .Ret<xla::ffi::AnyBuffer>()   // workspace uint8 (discarded)

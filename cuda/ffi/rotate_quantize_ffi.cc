@@ -11,8 +11,9 @@ namespace ffi = xla::ffi;
 using ffi_util::invalid;
 using ffi_util::shape_str;
 
+// mean: (b, h, d) to subtract before quantizing (v's centring), or an empty array for none.
 ffi::Error rotate_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> signs,
-                                bool rotate, int32_t block_size, bool keys_transposed,
+                                ffi::Buffer<ffi::F32> mean, bool rotate, int32_t block_size, bool keys_transposed,
                                 ffi::Result<ffi::AnyBuffer> values,
                                 ffi::Result<ffi::Buffer<ffi::F32>> scales) {
   constexpr const char* kWhat = "rotate_quantize_fp8: ";
@@ -58,7 +59,13 @@ ffi::Error rotate_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buff
   if (rotate && (signs.dimensions().size() != 1 || signs.dimensions()[0] != d)) {
     return invalid(kWhat, "signs must have shape (", d, ",), got ", shape_str(signs.dimensions()));
   }
-  if (const int64_t ctas = rotate_quantize_ctas(b, s, h, block_size, keys_transposed);
+  const bool centred = mean.element_count() > 0;
+  if (centred && (mean.dimensions().size() != 3 || mean.dimensions()[0] != b ||
+                  mean.dimensions()[1] != h || mean.dimensions()[2] != d)) {
+    return invalid(kWhat, "mean must have shape (", b, ", ", h, ", ", d, ") (batch, heads, "
+                   "head_dim) or be empty, got ", shape_str(mean.dimensions()));
+  }
+  if (const int64_t ctas = rotate_quantize_ctas(b, s, h, block_size, keys_transposed || centred);
       ctas > 0x7fffffff) {
     return invalid(kWhat, "x is too large: ", ctas, " CTAs (batch * heads * token blocks) for a ",
                    "grid limit of 2^31 - 1");
@@ -68,7 +75,8 @@ ffi::Error rotate_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buff
   }
   RotateQuantizeParams params{x.untyped_data(), rotate ? signs.typed_data() : nullptr,
                               values->untyped_data(), scales->typed_data(), b, s, h,
-                              static_cast<int>(d), block_size, *dtype, keys_transposed};
+                              static_cast<int>(d), block_size, *dtype, keys_transposed,
+                              centred ? mean.typed_data() : nullptr};
   return ffi_util::from_cuda(launch_rotate_quantize(params, stream), "rotate_quantize kernel launch");
 }
 
@@ -79,7 +87,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3RotateQuantizeFp8, jax_fa3::rotate_quantize_
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // signs
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // mean
                                   .Attr<bool>("rotate")
                                   .Attr<int32_t>("block_size")
                                   .Attr<bool>("keys_transposed")

@@ -11,6 +11,7 @@
 #include "flash_fwd/barriers.h"
 #include "flash_fwd/block_info.h"
 #include "flash_fwd/epilogue.h"
+#include "flash_fwd/fp8_v_mean.h"
 #include "flash_fwd/fp8_softmax.h"
 #include "flash_fwd/kernel_params.h"
 #include "flash_fwd/softmax.h"
@@ -444,6 +445,10 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
       softmax.finalize(sc.scale_log2, inv_sum, lse);
     }
     rescale_rows(tOrO, inv_sum);
+    if constexpr (kFp8) {
+      const int64_t bh_k = int64_t(c.batch) * sc.h_k + c.head / (sc.h / sc.h_k);
+      add_v_mean(tOrO, p.v_mean + bh_k * sc.d, fc.col0, sc.d, inv_sum);
+    }
     store_tile<Traits>(p, ss, tOrO, lse, c, thread_idx, write_out);
   }
   pingpong.finish();

@@ -13,13 +13,15 @@ struct FlashFwdFp8Params {
   // v_transposed already in the kernel's layout Vt (b, h_k, d, s_pad) (fp8_vt.h: keys permuted
   // per 32, zero past s_k; the rotate + quantize pass writes it); o (b, s_q, h, d) bf16;
   // lse (b, h, s_q) f32; q_scale (b, h, ceil(s_q / block_size)), k_scale (b, h_k,
-  // ceil(s_k / block_size)), v_scale (b, h_k) f32.
+  // ceil(s_k / block_size)), v_scale (b, h_k) f32; v_mean (b, h_k, d) f32: what V was centred by
+  // before its quantization (added back to every row that sees a key: fp8_v_mean.h).
   const void* q;
   const void* k;
   const void* v;
   const float* q_scale;
   const float* k_scale;
   const float* v_scale;
+  const float* v_mean;
   void* o;
   float* lse;
   void* workspace;  // flash_fwd_fp8_workspace_bytes(b, h_k, s_k, d, v_transposed), 16-byte aligned

@@ -90,6 +90,7 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   extra.q_scale = p.q_scale;
   extra.k_col_scale = k_col;
   extra.v_scale = p.v_scale;
+  extra.v_mean = p.v_mean;
   extra.num_q_blocks = (p.s_q + p.block_size - 1) / p.block_size;
   extra.block_size = p.block_size;
   extra.s_pad = s_pad;

@@ -34,6 +34,7 @@ template <> struct ExtraParams<true> {
   const float* q_scale;      // (b, h, num_q_blocks): the per-row-block q descale
   const float* k_col_scale;  // (b, h_k, s_pad): k_scale expanded to one float per key (1 past s_k)
   const float* v_scale;      // (b, h_k)
+  const float* v_mean;       // (b, h_k, d): added back to O's non-empty rows (fp8_v_mean.h)
   int num_q_blocks;          // ceil(s_q / block_size)
   int block_size;            // tokens per q/k scale
   int s_pad;                 // keys of Vt / k_col_scale rows (s_k rounded up to 32)
@@ -41,9 +42,10 @@ template <> struct ExtraParams<true> {
   int early_q_release;       // release Q's buffer after each tile's last S GEMM (flash_fwd_fp8.h)
   float scale_log2;          // softmax_scale * log2(e)
   float* tail_partials;      // the split tiles' pieces (tail_split.h; scheduler.num_split_tiles)
-  // O (b, s_q, h, d) bf16: the tail merge writes split tiles directly. One field only: a second
-  // one pushed the TMA descriptors after this struct to the next 64-byte boundary, and ptxas then
-  // spilled 8 bytes in the 128-row d128 kernel (no tail split in it).
+  // O (b, s_q, h, d) bf16: the tail merge writes split tiles directly. With v_mean the struct is
+  // 72 bytes and the TMA descriptors after it start at the next 64-byte boundary: in the
+  // past a field that did so made ptxas spill 8 bytes in the 128-row d128 kernel;
+  // now that kernel spills none and the 192-row one its usual 4 (tests/test_sass.py).
   void* out;
 };
 

@@ -152,8 +152,8 @@ __device__ __forceinline__ float merge_terms(float a, float fa, float b, float f
 // The merge of split tile `tile` (0..L-1), run by the consumer threads (thread_idx 0..2*kBlockM-1)
 // of whichever CTA finished its piece second: thread t takes over what consumer thread t held in
 // both pieces (same fragment layout, so the quad sums of finalize() pair the same lanes). O =
-// merged O * v_scale / (2^6 * row sum) in bf16, rounded as the epilogue rounds, and the LSE,
-// straight to global memory. The partials are read past L1 (__ldcg): the other CTA wrote them.
+// merged O * v_scale / (2^6 * row sum) + v_mean (rows that saw a key: fp8_v_mean.h) in bf16,
+// rounded as the epilogue rounds, and the LSE, straight to global memory. The partials are read past L1 (__ldcg): the other CTA wrote them.
 template <int kHeadDim, int kBlockM, class Params>
 __device__ __forceinline__ void merge_tail_tile(const Params& p, int tile, const TileCoord& c,
                                                 int thread_idx) {
@@ -185,6 +185,7 @@ __device__ __forceinline__ void merge_tail_tile(const Params& p, int tile, const
   const float4* high_o = Layout::o(partials, tile) + thread_idx;
   const float4* low_o = Layout::o(partials, split_tiles + tile) + thread_idx;
   auto* out = static_cast<__nv_bfloat16*>(p.out);
+  const float* mean = p.v_mean + (int64_t(c.batch) * sc.h_k + kv_head) * sc.d;  // fp8_v_mean.h
 #pragma unroll 4
   for (int v = 0; v < Layout::kVectors; ++v) {
     const float4 a = __ldcg(high_o + v * Layout::kThreads);
@@ -195,12 +196,13 @@ __device__ __forceinline__ void merge_tail_tile(const Params& p, int tile, const
     for (int r = 0; r < 2; ++r) {  // elements 4v + 2r, 4v + 2r + 1: row r, columns col, col + 1
       const int row = row0 + 8 * r;
       if (row >= sc.s_q || col >= sc.d) continue;
-      float o[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        o[e] = merge_terms(hv[2 * r + e], high_factor[r], lv[2 * r + e], low_factor[r]) *
-               inv_sum[r];
-      }
+      const float2 m = inv_sum[r] == 0.f ? make_float2(0.f, 0.f)
+                                         : __ldg(reinterpret_cast<const float2*>(mean + col));
+      const float o[2] = {
+          __fadd_rn(__fmul_rn(merge_terms(hv[2 * r], high_factor[r], lv[2 * r], low_factor[r]),
+                              inv_sum[r]), m.x),
+          __fadd_rn(__fmul_rn(merge_terms(hv[2 * r + 1], high_factor[r], lv[2 * r + 1],
+                                          low_factor[r]), inv_sum[r]), m.y)};
       const int64_t at = ((int64_t(c.batch) * sc.s_q + row) * sc.h + c.head) * sc.d + col;
       *reinterpret_cast<__nv_bfloat162*>(out + at) = __floats2bfloat162_rn(o[0], o[1]);
     }

@@ -169,7 +169,38 @@ struct Slice {
   int64_t base;      // element offset of (batch, token 0, head, 0)
   int64_t t_begin, t_end;
   int64_t scale_index;
+  int64_t head_index;  // batch * h + head
 };
+
+// This lane's 32 elements of its (batch, head)'s mean (RotateQuantizeParams::mean), zeros without
+// one: x - 0 is x exactly, so the chunk kernels subtract unconditionally.
+__device__ __forceinline__ void load_lane_mean(const RotateQuantizeParams& p, const Slice& sl,
+                                               int lane_in_row, float (&mean)[kPerLane]) {
+  if (p.mean == nullptr) {
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) mean[e] = 0.f;
+    return;
+  }
+  const float4* src =
+      reinterpret_cast<const float4*>(p.mean + sl.head_index * p.d + kPerLane * lane_in_row);
+#pragma unroll
+  for (int i = 0; i < kPerLane / 4; ++i) {
+    const float4 m = __ldg(src + i);
+    mean[4 * i] = m.x;
+    mean[4 * i + 1] = m.y;
+    mean[4 * i + 2] = m.z;
+    mean[4 * i + 3] = m.w;
+  }
+}
+
+// Only tokens of the slice are centred: the zeros that stand in for rows past its end stay zeros
+// (they must not enter the amax, and they are the keys-transposed layout's padding).
+__device__ __forceinline__ void subtract_mean(bool valid, const float (&mean)[kPerLane],
+                                              float (&v)[kPerLane]) {
+  if (!valid) return;
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) v[e] -= mean[e];
+}
 
 __device__ __forceinline__ float lane_amax(float amax, const float (&v)[kPerLane]) {
   uint32_t bits = magnitude_bits(amax);
@@ -203,25 +234,30 @@ __device__ __forceinline__ void store_quantized(const float (&v)[kPerLane], floa
   out[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
 }
 
-template <typename T, int kLanesPerRow>
+// kCentred: subtract RotateQuantizeParams::mean (the chunk kernels; the block kernel, held to 85
+// registers, has no room for a lane's 32 means and never gets one).
+template <typename T, int kLanesPerRow, bool kCentred>
 __device__ __forceinline__ float rows_amax(const RotateQuantizeParams& p, const Slice& sl,
                                            const Rotation& rot) {
   using Map = LaneMap<kLanesPerRow>;
   const Map map = Map::of_thread();
   const T* x = static_cast<const T*>(p.x) + sl.base + kPerLane * map.lane_in_row;
   const int64_t row_stride = p.h * p.d;
+  [[maybe_unused]] float mean[kPerLane];
+  if constexpr (kCentred) load_lane_mean(p, sl, map.lane_in_row, mean);
   float amax = 0.f;
   for (int64_t t0 = sl.t_begin; t0 < sl.t_end; t0 += Map::kRowsPerIter) {
     const int64_t t = t0 + map.row;
+    const bool valid = map.active && t < sl.t_end;
     float v[kPerLane];
-    load_row<T, kLanesPerRow>(x + t * row_stride, map.active && t < sl.t_end, rot,
-                              map.lane_in_row, v);
+    load_row<T, kLanesPerRow>(x + t * row_stride, valid, rot, map.lane_in_row, v);
+    if constexpr (kCentred) subtract_mean(valid, mean, v);
     amax = lane_amax(amax, v);
   }
   return warp_amax(amax);
 }
 
-template <typename T, int kLanesPerRow>
+template <typename T, int kLanesPerRow, bool kCentred>
 __device__ __forceinline__ void quantize_rows(const RotateQuantizeParams& p, const Slice& sl,
                                               const Rotation& rot, float scale) {
   using Map = LaneMap<kLanesPerRow>;
@@ -230,11 +266,14 @@ __device__ __forceinline__ void quantize_rows(const RotateQuantizeParams& p, con
   uint8_t* values = static_cast<uint8_t*>(p.values) + sl.base + kPerLane * map.lane_in_row;
   const int64_t row_stride = p.h * p.d;
   const float inv_scale = __frcp_rn(scale);
+  [[maybe_unused]] float mean[kPerLane];
+  if constexpr (kCentred) load_lane_mean(p, sl, map.lane_in_row, mean);
   for (int64_t t0 = sl.t_begin; t0 < sl.t_end; t0 += Map::kRowsPerIter) {
     const int64_t t = t0 + map.row;
     const bool valid = map.active && t < sl.t_end;
     float v[kPerLane];
     load_row<T, kLanesPerRow>(x + t * row_stride, valid, rot, map.lane_in_row, v);
+    if constexpr (kCentred) subtract_mean(valid, mean, v);
     if (valid) store_quantized(v, inv_scale, values + t * row_stride);
   }
 }
@@ -273,7 +312,7 @@ __device__ __forceinline__ Slice slice_of(const RotateQuantizeParams& p, int64_t
   const int64_t block_end = min((block + 1) * int64_t(p.block_size), p.s);
   const int64_t t_begin = block * p.block_size + chunk * chunk_tokens;
   return {(batch * p.s * p.h + head) * p.d, t_begin, min(t_begin + chunk_tokens, block_end),
-          scale_index};
+          scale_index, batch * p.h + head};
 }
 
 // Blocks of <= kRotateQuantizeMaxCtaBlock tokens that one pass of a CTA does not cover (64-token
@@ -302,9 +341,9 @@ rotate_quantize_block_kernel(RotateQuantizeParams p, int64_t n_blocks, int block
     return;
   }
   const float scale =
-      scale_from_amax(cta_amax<Map::kWarps>(rows_amax<T, kLanesPerRow>(p, sl, rot)));
+      scale_from_amax(cta_amax<Map::kWarps>(rows_amax<T, kLanesPerRow, false>(p, sl, rot)));
   if (threadIdx.x == 0) p.scales[sl.scale_index] = scale;
-  quantize_rows<T, kLanesPerRow>(p, sl, rot, scale);
+  quantize_rows<T, kLanesPerRow, false>(p, sl, rot, scale);
 }
 
 // Blocks that one pass of a CTA covers (64 tokens at d <= 128), kBlocksPerCta consecutive ones
@@ -356,7 +395,8 @@ rotate_quantize_chunk_amax_kernel(RotateQuantizeParams p, int64_t n_blocks, int6
   const Slice sl = slice_of(p, n_blocks, chunks, kRotateQuantizeChunkTokens, blockIdx.x);
   const Rotation rot = make_rotation(p, LaneMap<kLanesPerRow>::of_thread().lane_in_row,
                                      block_pow2, rotation_scale);
-  const float amax = cta_amax<LaneMap<kLanesPerRow>::kWarps>(rows_amax<T, kLanesPerRow>(p, sl, rot));
+  const float amax =
+      cta_amax<LaneMap<kLanesPerRow>::kWarps>(rows_amax<T, kLanesPerRow, true>(p, sl, rot));
   if (threadIdx.x == 0 && sl.t_begin < sl.t_end) {
     atomicMax(reinterpret_cast<unsigned int*>(p.scales) + sl.scale_index, __float_as_uint(amax));
   }
@@ -375,7 +415,7 @@ rotate_quantize_chunk_kernel(RotateQuantizeParams p, int64_t n_blocks, int64_t c
   const Slice sl = slice_of(p, n_blocks, chunks, kRotateQuantizeChunkTokens, blockIdx.x);
   const Rotation rot = make_rotation(p, LaneMap<kLanesPerRow>::of_thread().lane_in_row,
                                      block_pow2, rotation_scale);
-  quantize_rows<T, kLanesPerRow>(p, sl, rot, p.scales[sl.scale_index]);
+  quantize_rows<T, kLanesPerRow, true>(p, sl, rot, p.scales[sl.scale_index]);
 }
 
 // Larger blocks, pass 2, keys-transposed values (RotateQuantizeParams::keys_transposed): the
@@ -396,11 +436,14 @@ rotate_quantize_chunk_keys_transposed_kernel(RotateQuantizeParams p, int64_t n_b
   const T* x = static_cast<const T*>(p.x) + sl.base + kPerLane * map.lane_in_row;
   const int64_t row_stride = p.h * p.d;
   const float inv_scale = __frcp_rn(p.scales[sl.scale_index]);
+  float mean[kPerLane];
+  load_lane_mean(p, sl, map.lane_in_row, mean);
   for (int r0 = 0; r0 < kTokens; r0 += Map::kRowsPerIter) {
     const int r = r0 + map.row;
     const bool valid = map.active && sl.t_begin + r < sl.t_end;
     float v[kPerLane];
     load_row<T, kLanesPerRow>(x + (sl.t_begin + r) * row_stride, valid, rot, map.lane_in_row, v);
+    subtract_mean(valid, mean, v);
     if (map.active && r < kTokens) {
       store_quantized(v, inv_scale, reinterpret_cast<uint8_t*>(&tile[r][8 * map.lane_in_row]));
     }
@@ -427,8 +470,9 @@ cudaError_t launch_shape(const RotateQuantizeParams& p, int64_t n_blocks, cudaSt
   // float32(1/sqrt(block_pow2)) correctly rounded, the constant the pure-JAX transform uses.
   const float rotation_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(block_pow2)));
   const int64_t slices = p.b * p.h * n_blocks;
-  const int64_t chunks = rotate_quantize_chunks(p.block_size, p.s, p.keys_transposed);
-  if (chunks == 1 && !p.keys_transposed && p.block_size <= LaneMap<kLanesPerRow>::kRowsPerIter) {
+  const bool chunked = p.keys_transposed || p.mean != nullptr;
+  const int64_t chunks = rotate_quantize_chunks(p.block_size, p.s, chunked);
+  if (chunks == 1 && !chunked && p.block_size <= LaneMap<kLanesPerRow>::kRowsPerIter) {
     // 16-bit inputs: two blocks per CTA (two float32 rows of raw loads would spill).
     constexpr int kBlocksPerCta = sizeof(T) == 2 ? 2 : 1;
     const int64_t ctas = (slices + kBlocksPerCta - 1) / kBlocksPerCta;
@@ -439,7 +483,7 @@ cudaError_t launch_shape(const RotateQuantizeParams& p, int64_t n_blocks, cudaSt
     JAX_FA3_RETURN_IF_LAUNCH_ERROR();
     return cudaSuccess;
   }
-  if (chunks == 1 && !p.keys_transposed) {
+  if (chunks == 1 && !chunked) {
     if (slices > 0x7fffffff) return cudaErrorInvalidValue;
     rotate_quantize_block_kernel<T, kLanesPerRow><<<static_cast<unsigned>(slices), LaneMap<kLanesPerRow>::kThreads, 0, stream>>>(
         p, n_blocks, block_pow2, rotation_scale);

@@ -29,6 +29,10 @@ struct RotateQuantizeParams {
   // (fp8_layout.h), zero past s. The forward then skips its V pre-pass. Needs one block per
   // head (block_size >= s): v's quantization.
   bool keys_transposed;
+  // (b, h, d) float32 subtracted from every token of its (batch, head) after the rotation, before
+  // the amax and the quantization (v's centring, jax_fa3/fp8.py); nullptr: none. Runs the chunked
+  // passes (rotate_quantize_chunks).
+  const float* mean = nullptr;
 };
 
 // One warp holds a row in registers, d / 32 elements per lane: d a multiple of 32 up to this.
@@ -46,19 +50,20 @@ constexpr int64_t kRotateQuantizeMaxCtaBlock = 256;
 constexpr int64_t kRotateQuantizeChunkTokens = 128;
 
 // CTAs per block: 1, or its number of chunks. The keys-transposed mode always goes through the
-// chunks (its stores transpose one chunk at a time).
-inline int64_t rotate_quantize_chunks(int64_t block_size, int64_t s, bool keys_transposed) {
+// chunks (its stores transpose one chunk at a time), and so does a centred pass (`chunked`: only
+// the chunk kernels subtract a mean; the others are held to 85 registers).
+inline int64_t rotate_quantize_chunks(int64_t block_size, int64_t s, bool chunked) {
   const int64_t tokens = block_size < s ? block_size : s;
-  return block_size <= kRotateQuantizeMaxCtaBlock && !keys_transposed
+  return block_size <= kRotateQuantizeMaxCtaBlock && !chunked
              ? 1
              : (tokens + kRotateQuantizeChunkTokens - 1) / kRotateQuantizeChunkTokens;
 }
 
 // CTAs of the largest launch (must stay below 2^31).
 inline int64_t rotate_quantize_ctas(int64_t b, int64_t s, int64_t h, int64_t block_size,
-                                    bool keys_transposed) {
+                                    bool chunked) {
   return b * h * ((s + block_size - 1) / block_size) *
-         rotate_quantize_chunks(block_size, s, keys_transposed);
+         rotate_quantize_chunks(block_size, s, chunked);
 }
 
 cudaError_t launch_rotate_quantize(const RotateQuantizeParams& params, cudaStream_t stream);

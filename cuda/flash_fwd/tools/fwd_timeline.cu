@@ -76,8 +76,11 @@ std::vector<uint8_t> random_e4m3(size_t n, std::mt19937& rng) {
 // scale per `block` tokens of a (batch, head) (amax * float32(1/448)), v with one scale per head.
 // layout (b, s, h, d); scales (b, h, ceil(s / block)). The kernel's time depends on the data (H200,
 // fifteenth session: +1.3% on these inputs against random e4m3 values with random scales).
+// centred_by (v): each (batch, head, dim)'s mean over the tokens, subtracted before quantizing
+// (jax_fa3/fp8.py, step 2), the kernel's v_mean.
 std::vector<uint8_t> quantized_normal(int b, int s, int h, int d, int block, std::mt19937& rng,
-                                      std::vector<float>& scales, float mean = 0.f) {
+                                      std::vector<float>& scales, float mean = 0.f,
+                                      std::vector<float>* centred_by = nullptr) {
   std::normal_distribution<float> normal(mean, 1.f);
   std::vector<float> x(size_t(b) * s * h * d);
   for (auto& v : x) v = normal(rng);
@@ -85,6 +88,18 @@ std::vector<uint8_t> quantized_normal(int b, int s, int h, int d, int block, std
   scales.assign(size_t(b) * h * nb, 1.f);
   std::vector<uint8_t> out(x.size());
   auto at = [&](int bi, int t, int hi) { return ((size_t(bi) * s + t) * h + hi) * d; };
+  if (centred_by != nullptr) {
+    centred_by->assign(size_t(b) * h * d, 0.f);
+    for (int bi = 0; bi < b; ++bi)
+      for (int hi = 0; hi < h; ++hi)
+        for (int e = 0; e < d; ++e) {
+          double sum = 0;
+          for (int t = 0; t < s; ++t) sum += x[at(bi, t, hi) + e];
+          const float m = float(sum / s);
+          (*centred_by)[(size_t(bi) * h + hi) * d + e] = m;
+          for (int t = 0; t < s; ++t) x[at(bi, t, hi) + e] -= m;
+        }
+  }
   for (int bi = 0; bi < b; ++bi)
     for (int hi = 0; hi < h; ++hi)
       for (int n = 0; n < nb; ++n) {
@@ -141,7 +156,7 @@ int main(int argc, char** argv) {
   std::snprintf(dtype_label, sizeof(dtype_label), "fp8 %d-row tiles (V pre-pass included)",
                 int(TOOL_BLOCK_M));
   const int block_size = 64, nb = (s + block_size - 1) / block_size;
-  std::vector<float> qs, ks, vs;
+  std::vector<float> qs, ks, vs, v_mean(size_t(b) * h * d, 0.f);
   std::vector<uint8_t> hq, hk, hv;
   // TOOL_INPUTS=e4m3: the earlier inputs, random e4m3 values with random scales in [0.5, 1.5]/64.
   const char* inputs = std::getenv("TOOL_INPUTS");
@@ -156,16 +171,22 @@ int main(int argc, char** argv) {
     hk = quantized_normal(b, s, h, d, block_size, rng, ks);
     // TOOL_V_MEAN=m: v ~ N(m, 1), whose PV sums grow with the keys instead of cancelling (the
     // fp8 wgmma accumulates with ~13 mantissa bits: benchmarks/RESULTS.md, twenty-first session).
-    const char* v_mean = std::getenv("TOOL_V_MEAN");
-    hv = quantized_normal(b, s, h, d, s, rng, vs, v_mean != nullptr ? std::atof(v_mean) : 0.f);
-    std::printf("inputs: N(0, 1) quantized as the library does (64-token blocks; v per head%s%s)\n",
-                v_mean != nullptr ? ", mean " : "", v_mean != nullptr ? v_mean : "");
+    // V is centred as the library does; TOOL_CENTRE_V=0 quantizes it as is (v_mean 0).
+    const char* shift = std::getenv("TOOL_V_MEAN");
+    const char* centre = std::getenv("TOOL_CENTRE_V");
+    const bool centred = centre == nullptr || std::string(centre) != "0";
+    hv = quantized_normal(b, s, h, d, s, rng, vs, shift != nullptr ? std::atof(shift) : 0.f,
+                          centred ? &v_mean : nullptr);
+    std::printf("inputs: N(0, 1) quantized as the library does (64-token blocks; v per head%s%s, "
+                "%s)\n", shift != nullptr ? ", mean " : "", shift != nullptr ? shift : "",
+                centred ? "centred" : "not centred");
   }
 
   jax_fa3::FlashFwdFp8Params p{};
   p.q_scale = upload(qs);
   p.k_scale = upload(ks);
   p.v_scale = upload(vs);
+  p.v_mean = upload(v_mean);
   CHECK(cudaMalloc(&p.o, size_t(b) * s * h * d * 2));
   CHECK(cudaMalloc(&p.lse, size_t(b) * h * s * 4));
   const size_t workspace_bytes = jax_fa3::flash_fwd_fp8_workspace_bytes(b, s, s, h, h, d, causal,
@@ -243,7 +264,9 @@ int main(int argc, char** argv) {
     auto kv = [&](int bi, int hi, int row, size_t i) {
       return e4m3(hk[i]) * ks[(size_t(bi) * h + hi) * nb + row / block_size];
     };
-    auto vv = [&](int bi, int hi, size_t i) { return e4m3(hv[i]) * vs[size_t(bi) * h + hi]; };
+    auto vv = [&](int bi, int hi, size_t i) {
+      return e4m3(hv[i]) * vs[size_t(bi) * h + hi] + v_mean[(size_t(bi) * h + hi) * d + i % d];
+    };
 #endif
     const int last = causal ? row : s - 1;
     double mx = -1e300;
