@@ -47,9 +47,9 @@ On a Hopper GPU, steps 1–2 for q and k run as one fused CUDA pass (`jax_fa3_ro
 one read of the bf16/fp16/fp32 input, the butterflies in registers, one e4m3 write) instead of
 XLA's float32 copy, transform and quantization; its quantization is the pure-JAX one bit for bit
 (scales and, without rotation, values, centred or not), and its butterflies are those of
-`hadamard_transform`'s pure-JAX form in the same order; only the last rounding of the 1/sqrt(d) factor can differ from
-XLA's (one float32 ulp, so an e4m3 value rarely moves by one step). v's quantization in the
-same pass writes the kernel's V layout directly (keys contiguous, permuted inside groups of 32,
+`hadamard_transform`'s pure-JAX form in the same order; only the last rounding of the 1/sqrt(d)
+factor can differ from XLA's (one float32 ulp, so an e4m3 value rarely moves by one step). v's
+quantization (μ from XLA, then one CUDA pass that subtracts it) writes the kernel's V layout directly (keys contiguous, permuted inside groups of 32,
 zero-padded to a multiple of 32: `_keys_transposed`), so the kernel skips the transpose pre-pass it
 runs on pre-quantized v (same bytes, so the same output bit for bit). The remaining differences
 are float32 operation order, the key tile width (the running max at which P is quantized) and the
