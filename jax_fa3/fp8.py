@@ -49,9 +49,10 @@ XLA's float32 copy, transform and quantization; its quantization is the pure-JAX
 (scales and, without rotation, values, centred or not), and its butterflies are those of
 `hadamard_transform`'s pure-JAX form in the same order; only the last rounding of the 1/sqrt(d)
 factor can differ from XLA's (one float32 ulp, so an e4m3 value rarely moves by one step). v's
-quantization (μ from XLA, then one CUDA pass that subtracts it) writes the kernel's V layout directly (keys contiguous, permuted inside groups of 32,
-zero-padded to a multiple of 32: `_keys_transposed`), so the kernel skips the transpose pre-pass it
-runs on pre-quantized v (same bytes, so the same output bit for bit). The remaining differences
+quantization (μ from XLA, then one CUDA pass that subtracts it) writes the kernel's V layout
+directly (keys contiguous, permuted inside groups of 32, zero-padded to a multiple of 32:
+`_keys_transposed`), so the kernel skips the transpose pre-pass it runs on pre-quantized v (same
+bytes, so the same output bit for bit). The remaining differences
 are float32 operation order, the key tile width (the running max at which P is quantized) and the
 Hopper fp8 tensor-core accumulator, whose internal precision is below float32: compare the kernel
 with this emulation to a tolerance, not bitwise. (Without a mask the kernel may split the tiles of
