@@ -694,8 +694,9 @@ def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_siz
   `hadamard_transform`), then q and k are quantized to e4m3 with one float32 scale per (batch,
   head, block of `block_size` tokens) and v, centred by its mean over the keys, with one scale
   per (batch, kv-head); the attention runs on the fp8 values (P quantized as e4m3(2^6·P)),
-  accumulates in float32, adds v's mean back and returns bfloat16 from the kernel. See the docstring of `jax_fa3.fp8` for the exact numerics; without a Hopper GPU and
-  the fp8 kernel, a pure-JAX path emulates them exactly (announced once on the `jax_fa3` logger).
+  accumulates in float32, adds v's mean back and returns bfloat16 from the kernel. See the
+  docstring of `jax_fa3.fp8` for the exact numerics; without a Hopper GPU and the fp8 kernel, a
+  pure-JAX path emulates them exactly (announced once on the `jax_fa3` logger).
 
   Args:
     q: (batch, seqlen_q, heads, head_dim) float32/bfloat16/float16; or a pair (values, scales)

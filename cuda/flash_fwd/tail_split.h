@@ -153,7 +153,8 @@ __device__ __forceinline__ float merge_terms(float a, float fa, float b, float f
 // of whichever CTA finished its piece second: thread t takes over what consumer thread t held in
 // both pieces (same fragment layout, so the quad sums of finalize() pair the same lanes). O =
 // merged O * v_scale / (2^6 * row sum) + v_mean (rows that saw a key: fp8_v_mean.h) in bf16,
-// rounded as the epilogue rounds, and the LSE, straight to global memory. The partials are read past L1 (__ldcg): the other CTA wrote them.
+// rounded as the epilogue rounds, and the LSE, straight to global memory. The partials are read
+// past L1 (__ldcg): the other CTA wrote them.
 template <int kHeadDim, int kBlockM, class Params>
 __device__ __forceinline__ void merge_tail_tile(const Params& p, int tile, const TileCoord& c,
                                                 int thread_idx) {
