@@ -190,6 +190,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
       }
       col_scale = p.k_col_scale + bh_k * p.s_pad;
       v_scale = __ldg(p.v_scale + bh_k);
+      stage_v_mean(ss.v_mean, p.v_mean + bh_k * sc.d, sc.d, thread_idx);
     }
     // Group g of block n_block starts at column n_block * kBlockN + 32 g; columns >= s_pad lie
     // past every key (masked), any positive scale serves them.
@@ -446,8 +447,8 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     }
     rescale_rows(tOrO, inv_sum);
     if constexpr (kFp8) {
-      const int64_t bh_k = int64_t(c.batch) * sc.h_k + c.head / (sc.h / sc.h_k);
-      add_v_mean(tOrO, p.v_mean + bh_k * sc.d, fc.col0, sc.d, inv_sum);
+      wait_v_mean<Traits::kNumConsumerThreads>();
+      add_v_mean(tOrO, ss.v_mean, fc.col0, sc.d, inv_sum);
     }
     store_tile<Traits>(p, ss, tOrO, lse, c, thread_idx, write_out);
   }

@@ -166,6 +166,10 @@ struct Fp8KernelTraits {
     uint64_t v_full[kStages];
     uint64_t v_empty[kStages];
     int tail_ticket;  // the tail split's ticket, broadcast to the consumers (tail_split.h)
+    // The tile's v_mean (fp8_v_mean.h), loaded by cp.async at tile start so that the epilogue
+    // reads shared memory instead of waiting on L2. One copy: the consumer warpgroups share the
+    // tile, and d256's shared memory is nearly full.
+    alignas(16) float v_mean[kHeadDim];
   };
   // O has its own buffer (bf16: twice Q's fp8 bytes), so Q's buffer may be released after a
   // tile's last S GEMM (consumer.h); whether it is, is chosen per call (KernelParams::

@@ -10,12 +10,37 @@
 #pragma once
 #include <cute/tensor.hpp>
 
+#include "flash_fwd/barriers.h"
 #include "flash_fwd/softmax.h"
 
 namespace jax_fa3::fwd {
 
-// o: the thread's O fragment, already normalized; mean: the (batch, kv-head)'s d floats; col0: the
-// thread's first column (FragCoord); inv_sum: 0 marks a row that saw no key, whose O stays 0.
+// At tile start: the first d / 4 consumer threads copy the tile's d means, 16 bytes each, into
+// the CTA's shared slot (cp.async: no registers held through the main loop; the consumer
+// warpgroups share the tile, so one copy serves them all). The previous tile's reads of the slot
+// are done: every consumer passed the epilogue's kBarrierConsumers (store_tile) since.
+__device__ __forceinline__ void stage_v_mean(float* slot, const float* mean, int d,
+                                             int consumer_thread) {
+  if (4 * consumer_thread < d) {
+    const uint32_t dst =
+        static_cast<uint32_t>(__cvta_generic_to_shared(slot + 4 * consumer_thread));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst),
+                 "l"(mean + 4 * consumer_thread) : "memory");
+  }
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// In the epilogue, before add_v_mean reads the slot: this thread's copy has landed (long since,
+// a whole tile later) and, after the barrier, every other consumer thread's.
+template <int kConsumerThreads>
+__device__ __forceinline__ void wait_v_mean() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  named_barrier_sync(kBarrierVMean, kConsumerThreads);
+}
+
+// o: the thread's O fragment, already normalized; mean: the (batch, kv-head)'s d floats (the
+// CTA's shared slot); col0: the thread's first column (FragCoord); inv_sum: 0 marks a row
+// that saw no key, whose O stays 0.
 // Elements 4v..4v+3 are columns col0 + 8v, +1 of rows 0 and 1 (frag_row, frag_col); d is a
 // multiple of 16 and col0 even, so one float2 covers both columns or neither.
 template <class FragO>
@@ -26,7 +51,7 @@ __device__ __forceinline__ void add_v_mean(FragO& o, const float* mean, int col0
   for (int v = 0; v < decltype(cute::size(o))::value / 4; ++v) {
     const int col = col0 + 8 * v;
     if (col >= d) continue;
-    const float2 m = __ldg(reinterpret_cast<const float2*>(mean + col));
+    const float2 m = *reinterpret_cast<const float2*>(mean + col);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (inv_sum[r] == 0.f) continue;
