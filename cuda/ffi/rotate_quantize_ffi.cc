@@ -65,18 +65,17 @@ ffi::Error rotate_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buff
     return invalid(kWhat, "mean must have shape (", b, ", ", h, ", ", d, ") (batch, heads, "
                    "head_dim) or be empty, got ", shape_str(mean.dimensions()));
   }
-  if (const int64_t ctas = rotate_quantize_ctas(b, s, h, block_size, keys_transposed || centred);
-      ctas > 0x7fffffff) {
+  const RotateQuantizeParams params{x.untyped_data(), rotate ? signs.typed_data() : nullptr,
+                                    values->untyped_data(), scales->typed_data(), b, s, h,
+                                    static_cast<int>(d), block_size, *dtype, keys_transposed,
+                                    centred ? mean.typed_data() : nullptr};
+  if (const int64_t ctas = rotate_quantize_ctas(params); ctas > 0x7fffffff) {
     return invalid(kWhat, "x is too large: ", ctas, " CTAs (batch * heads * token blocks) for a ",
                    "grid limit of 2^31 - 1");
   }
   if (auto err = ffi_util::poison_if_requested(stream, values, scales); err != cudaSuccess) {
     return ffi_util::from_cuda(err, "output poisoning");
   }
-  RotateQuantizeParams params{x.untyped_data(), rotate ? signs.typed_data() : nullptr,
-                              values->untyped_data(), scales->typed_data(), b, s, h,
-                              static_cast<int>(d), block_size, *dtype, keys_transposed,
-                              centred ? mean.typed_data() : nullptr};
   return ffi_util::from_cuda(launch_rotate_quantize(params, stream), "rotate_quantize kernel launch");
 }
 

@@ -470,8 +470,8 @@ cudaError_t launch_shape(const RotateQuantizeParams& p, int64_t n_blocks, cudaSt
   // float32(1/sqrt(block_pow2)) correctly rounded, the constant the pure-JAX transform uses.
   const float rotation_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(block_pow2)));
   const int64_t slices = p.b * p.h * n_blocks;
-  const bool chunked = p.keys_transposed || p.mean != nullptr;
-  const int64_t chunks = rotate_quantize_chunks(p.block_size, p.s, chunked);
+  const bool chunked = rotate_quantize_chunked(p);
+  const int64_t chunks = rotate_quantize_chunks(p);
   if (chunks == 1 && !chunked && p.block_size <= LaneMap<kLanesPerRow>::kRowsPerIter) {
     // 16-bit inputs: two blocks per CTA (two float32 rows of raw loads would spill).
     constexpr int kBlocksPerCta = sizeof(T) == 2 ? 2 : 1;

@@ -31,7 +31,7 @@ struct RotateQuantizeParams {
   bool keys_transposed;
   // (b, h, d) float32 subtracted from every token of its (batch, head) after the rotation, before
   // the amax and the quantization (v's centring, jax_fa3/fp8.py); nullptr: none. Runs the chunked
-  // passes (rotate_quantize_chunks).
+  // passes (rotate_quantize_chunked).
   const float* mean = nullptr;
 };
 
@@ -49,21 +49,24 @@ inline bool rotate_quantize_supports_dim(int64_t d) {
 constexpr int64_t kRotateQuantizeMaxCtaBlock = 256;
 constexpr int64_t kRotateQuantizeChunkTokens = 128;
 
-// CTAs per block: 1, or its number of chunks. The keys-transposed mode always goes through the
-// chunks (its stores transpose one chunk at a time), and so does a centred pass (`chunked`: only
-// the chunk kernels subtract a mean; the others are held to 85 registers).
-inline int64_t rotate_quantize_chunks(int64_t block_size, int64_t s, bool chunked) {
-  const int64_t tokens = block_size < s ? block_size : s;
-  return block_size <= kRotateQuantizeMaxCtaBlock && !chunked
+// Whether the pass goes through the chunk kernels whatever its block size: the keys-transposed
+// mode does (its stores transpose one chunk at a time), and so does a centred pass (only the
+// chunk kernels subtract a mean; the others are held to 85 registers).
+inline bool rotate_quantize_chunked(const RotateQuantizeParams& p) {
+  return p.keys_transposed || p.mean != nullptr;
+}
+
+// CTAs per block: 1, or its number of chunks.
+inline int64_t rotate_quantize_chunks(const RotateQuantizeParams& p) {
+  const int64_t tokens = p.block_size < p.s ? p.block_size : p.s;
+  return p.block_size <= kRotateQuantizeMaxCtaBlock && !rotate_quantize_chunked(p)
              ? 1
              : (tokens + kRotateQuantizeChunkTokens - 1) / kRotateQuantizeChunkTokens;
 }
 
 // CTAs of the largest launch (must stay below 2^31).
-inline int64_t rotate_quantize_ctas(int64_t b, int64_t s, int64_t h, int64_t block_size,
-                                    bool chunked) {
-  return b * h * ((s + block_size - 1) / block_size) *
-         rotate_quantize_chunks(block_size, s, chunked);
+inline int64_t rotate_quantize_ctas(const RotateQuantizeParams& p) {
+  return p.b * p.h * ((p.s + p.block_size - 1) / p.block_size) * rotate_quantize_chunks(p);
 }
 
 cudaError_t launch_rotate_quantize(const RotateQuantizeParams& params, cudaStream_t stream);
