@@ -37,11 +37,17 @@ path emulates: same e4m3 rounding, same blocks, same scales):
    FlashAttention-3's `Max_offset` shift (an exact power of two, so no per-row or per-tile scale
    is needed), 6 here instead of FA3's 8 so that P ∈ [0, 2^2.8] fits e4m3's range
    [2^-9, 445.7] (P below 2^-16 rounds to zero, below 2^-12 is subnormal). The row sum is
-   accumulated from the float32 P before quantization (as FA3 does).
-5. O = (Σ P8 · v8) · v_scale / (2^6 · row sum) + μ, accumulated in float32 (the sum of a row's
-   weights is one, so adding μ back is exact for any μ), rounded to bfloat16 (the kernel's output
-   type), then cast to q's dtype. LSE is float32, natural log, of the descaled
-   scores (+inf and output 0 for rows that see no key).
+   accumulated from the quantized P, the weights that multiply V (the kernel sums them on the
+   tensor cores; FA3 sums the float32 P before quantization), so each output row is a weighted
+   mean of V's rows whose weights sum to one.
+5. O = (Σ P8 · v8) · v_scale / (2^6 · row sum) + μ, accumulated in float32 (the weights sum to
+   one, so adding μ back is exact for any μ), rounded to bfloat16 (the kernel's output type), then
+   cast to q's dtype. LSE is float32, natural log: running max + ln(row sum), the log-sum-exp of
+   the descaled scores with each term rounded as P8 is (so within ln(1 + 2^-4) of the exact one
+   for the row's normal-range terms; the kernel's exp2 differs from the exact one by a few float32
+   ulps, which moves a term across an e4m3 rounding boundary now and then: the kernel's LSE then
+   differs from this emulation's by up to one e4m3 step of that term). A row that sees no key:
+   LSE +inf and output 0.
 
 On a Hopper GPU, steps 1–2 for q and k run as one fused CUDA pass (`jax_fa3_rotate_quantize_fp8`:
 one read of the bf16/fp16/fp32 input, the butterflies in registers, one e4m3 write) instead of
@@ -450,8 +456,8 @@ def _emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config, v_m
     shift = jnp.where(jnp.isneginf(new_max), 0.0, new_max)
     rescale = jnp.exp2(row_max - shift)
     probs = jnp.exp2(scores - shift[..., None])
-    row_sum = row_sum * rescale + probs.sum(axis=-1)  # from the unquantized P, as FA3
     probs8 = _to_e4m3(probs * p_offset).astype(f32)  # e4m3(2^6 · P), P <= 2^2.8
+    row_sum = row_sum * rescale + probs8.sum(axis=-1) / p_offset  # of the quantized P
     acc = acc * rescale[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", probs8, v_tile,
                                                precision=_HIGHEST)
     return (new_max, row_sum, acc), None

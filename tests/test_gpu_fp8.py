@@ -84,6 +84,26 @@ def _rms(x):
   return float(np.sqrt(np.mean(np.square(x, dtype=np.float64))))
 
 
+# The kernel's LSE against the emulation's: both are the running max + ln of the row sum of the
+# e4m3-rounded weights e4m3(2^6 P) (fp8.py, steps 4-5). The kernel's exp2 (MUFU) and FFMA order
+# put P a few float32 ulps (~1e-6 relative) from the emulation's exact exp2, so the two round a
+# weight to different e4m3 values only when it lies that close to a rounding midpoint (about 2e-5
+# of the weights, e4m3's steps being 2^-3 relative); such a flip moves the row sum by one e4m3
+# step of that weight, at most 2^-3 of it, so the LSE by at most ln(1 + 2^-3), and only a row
+# that the weight dominates (short rows, peaked scores) by that much. Every other row agrees to
+# float32 rounding of the sums.
+LSE_ATOL, LSE_RTOL = 2e-3, 1e-3
+LSE_FLIP_BOUND = float(np.log1p(2.0**-3))
+
+
+def _assert_lse_close(lse, emu_lse, max_flipped_fraction=0.01):
+  lse, emu_lse = np.asarray(lse, np.float64), np.asarray(emu_lse, np.float64)
+  off = np.abs(lse - emu_lse) - (LSE_ATOL + LSE_RTOL * np.abs(emu_lse))
+  assert np.all(off <= LSE_FLIP_BOUND), float(np.max(off))  # beyond one e4m3 step of any weight
+  flipped = int(np.count_nonzero(off > 0))
+  assert flipped <= max(1, int(max_flipped_fraction * off.size)), (flipped, off.size)
+
+
 def _check(seed, b, s_q, s_k, h, h_k, d, *, causal=False, window=(-1, -1), block_size=64,
            v_transposed=False, v_mean=0.0):
   """v_transposed: hand the kernel V already in its layout (what the user's call from floats
@@ -129,7 +149,7 @@ def _check(seed, b, s_q, s_k, h, h_k, d, *, causal=False, window=(-1, -1), block
   kernel_err, emu_err = _rms(out - ref), _rms(emu_out - ref)
   assert kernel_err <= 1.1 * emu_err + 1e-3 * scale, (kernel_err, emu_err)
   finite = ~empty
-  np.testing.assert_allclose(lse[finite], emu_lse[finite], atol=2e-3, rtol=1e-3)
+  _assert_lse_close(lse[finite], emu_lse[finite])
   return kernel_err / scale
 
 
@@ -269,7 +289,7 @@ def test_fp8_scales_are_applied_per_row_and_column():
     emu_out, emu_lse = _emulate(*[jax.device_put(x, _cpu()) for x in quantized], cfg)
   out, emu_out = np.asarray(out, np.float64), np.asarray(emu_out, np.float64)
   assert _rms(out - emu_out) <= 1e-2 * _rms(emu_out)
-  np.testing.assert_allclose(np.asarray(lse), np.asarray(emu_lse), atol=2e-3, rtol=1e-3)
+  _assert_lse_close(lse, emu_lse)
 
 
 @pytest.mark.parametrize("d,s,causal", [(128, 4096, False), (64, 8192, False),

@@ -11,6 +11,7 @@
 #include "flash_fwd/barriers.h"
 #include "flash_fwd/block_info.h"
 #include "flash_fwd/epilogue.h"
+#include "flash_fwd/fp8_row_sum.h"
 #include "flash_fwd/fp8_v_mean.h"
 #include "flash_fwd/fp8_softmax.h"
 #include "flash_fwd/kernel_params.h"
@@ -150,6 +151,8 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   // K/V stages) lets the producer load the next tile's Q under this tile's last softmax, PV GEMM
   // and epilogue. Otherwise the epilogue releases Q's buffer after the TMA store of O.
   const bool early_q_release = p.early_q_release();
+  // fp8: the row sums' GEMM state (fp8_row_sum.h); empty for 16-bit types.
+  TensorRowSum<Traits, kFp8> row_sums(ss, thread_idx);
   auto release_q_after_last_s = [&](int n_block, const BlockRange& range) {
     if (early_q_release && n_block == range.n_min) release_stage(&ss.q_empty);
   };
@@ -222,21 +225,17 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
 
     Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     clear(tOrO);
-    constexpr bool kTreeRowSums = [] {
-      if constexpr (kFp8) return Traits::kTreeRowSums;
-      else return false;
-    }();
     constexpr bool kReduceMaxOnJump = [] {
       if constexpr (kFp8) return Traits::kReduceMaxOnJump;
       else return false;
     }();
-    std::conditional_t<kFp8, Fp8OnlineSoftmax<kKeyGroups, kTreeRowSums, kReduceMaxOnJump>,
-                       OnlineSoftmax>
-        softmax;
+    std::conditional_t<kFp8, Fp8OnlineSoftmax<kKeyGroups, kReduceMaxOnJump>, OnlineSoftmax> softmax;
     softmax.reset();
+    row_sums.clear();
     float correction[2];
     // O *= correction; Traits::kSkipUnchangedRescale: only where a row of the warp changed its max.
     auto rescale_o = [&](const float (&factor)[2]) {
+      row_sums.rescale(factor);
       if constexpr (Traits::kSkipUnchangedRescale) {
         rescale_rows_if_changed(tOrO, factor);
       } else {
@@ -343,8 +342,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
             warpgroup_fence_operand(tSrS);
             softmax_exp(tSrS, Int<kPerStep * step>{}, Int<kPerStep * (step + 1)>{});
             to_p(tSrS, step, Int<step + 1>{});
-            warpgroup_gemm_ksteps<step, step + 1, /*zero_init=*/false, /*wait=*/-1,
-                                  /*a_regs=*/true>(mma_pv, tOrP, tOrV(_, _, _, kv.stage), tOrO);
+            row_sums.template pv_ksteps<step, step + 1>(mma_pv, tOrP, tOrV(_, _, _, kv.stage), tOrO);
           });
           pingpong.pass_turn();
         } else {
@@ -353,8 +351,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
           to_p(tSrS, Int<0>{}, kPvSteps);
           mbar_wait(&ss.v_full[kv.stage], kv.phase);
           pingpong.wait_turn();
-          warpgroup_gemm</*zero_init=*/false, /*wait=*/-1, /*a_regs=*/true>(
-              mma_pv, tOrP, tOrV(_, _, _, kv.stage), tOrO);
+          row_sums.template pv_ksteps<0, kPvSteps>(mma_pv, tOrP, tOrV(_, _, _, kv.stage), tOrO);
           pingpong.pass_turn();
         }
         warpgroup_wait<0>();
@@ -389,8 +386,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
         pingpong.wait_turn();
         trace_stamp(pingpong.wg, trace_step, kTraceTurn);
         warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, kv.stage), tSrS);
-        warpgroup_gemm</*zero_init=*/false, /*wait=*/-1, /*a_regs=*/true>(
-            mma_pv, tOrP, tOrV(_, _, _, prev.stage), tOrO);
+        row_sums.template pv_ksteps<0, kPvSteps>(mma_pv, tOrP, tOrV(_, _, _, prev.stage), tOrO);
         pingpong.pass_turn();
         trace_stamp(pingpong.wg, trace_step, kTraceIssued);
         warpgroup_wait<1>();  // S(n) done (batches complete in order), PV may still run
@@ -411,8 +407,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
       // Last PV.
       mbar_wait(&ss.v_full[kv.stage], kv.phase);
       pingpong.wait_turn();
-      warpgroup_gemm</*zero_init=*/false, /*wait=*/-1, /*a_regs=*/true>(
-          mma_pv, tOrP, tOrV(_, _, _, kv.stage), tOrO);
+      row_sums.template pv_ksteps<0, kPvSteps>(mma_pv, tOrP, tOrV(_, _, _, kv.stage), tOrO);
       pingpong.pass_turn();
       warpgroup_wait<0>();
       release_stage(&ss.v_empty[kv.stage]);
@@ -422,6 +417,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     // A tile with no visible K/V block ran no S GEMM: Q's buffer is released here.
     if (range.n_max <= range.n_min) release_q_after_last_s(range.n_min, range);
 
+    row_sums.hand_over(softmax);
     bool write_out = true;
     if constexpr (Traits::kTailSplit) {
       // Whether the item is a piece, again from its index (not held in registers through the

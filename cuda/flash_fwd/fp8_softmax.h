@@ -50,12 +50,14 @@ __device__ __forceinline__ void descale_columns(Frag& s, const float* __restrict
 }
 
 // kGroups k-scale groups of 32 keys per tile (flat S indices 16g..16g+15 are group g: 8-column
-// chunks 4g..4g+3). kTreeRowSums: see exponentiate(). kReduceMaxOnJump: see update_max().
-template <int kGroups, bool kTreeRowSums, bool kReduceMaxOnJump = false>
+// chunks 4g..4g+3). kReduceMaxOnJump: see update_max(). The row sums are not taken here but on
+// the tensor cores (TensorRowSum, fp8_row_sum.h), which hands them over with set_row_sums()
+// before finalize() or the tail split reads them.
+template <int kGroups, bool kReduceMaxOnJump = false>
 struct Fp8OnlineSoftmax {
   // Running max of the scaled scores (log2 domain: score * softmax_scale * log2 e * q_scale *
-  // k_scale), quad-uniform, and this thread's partial sum of 2^6 * P (exact power-of-two shift of
-  // the unquantized fp32 P; the quad sum happens in finalize()).
+  // k_scale), quad-uniform, and this thread's share of the row's sum of 2^6 * P8 (the quad sum
+  // happens in finalize()).
   float row_max[2];
   float row_sum[2];
 
@@ -84,7 +86,7 @@ struct Fp8OnlineSoftmax {
       }
     }
     // The quad's row max, kept unless it exceeds the running max by more than the margin; the O
-    // correction, the row-sum rescale and the exp2 shift.
+    // correction and the exp2 shift.
     auto reduce_row = [&](int r, float tile_max) {
       float new_max = quad_max(tile_max);
       // -inf - -inf is NaN: a row that has seen only -inf keeps -inf.
@@ -93,7 +95,6 @@ struct Fp8OnlineSoftmax {
       const float base = new_max == -INFINITY ? 0.f : new_max;
       correction[r] = exp2f(row_max[r] - base);
       row_max[r] = new_max;
-      row_sum[r] *= correction[r];
       shift[r] = base - kFp8POffsetLog2;
     };
     auto row_tile_max = [&](int r) {
@@ -109,7 +110,7 @@ struct Fp8OnlineSoftmax {
       // A quad's row max exceeds the margin only if one of its threads' does: when no thread of
       // the warp jumps, every row keeps its max and the correction is exactly 1 (0 for a row that
       // has seen only -inf, whose row sum is 0 already), as reduce_row would find, without its
-      // quad shuffles, two exp2 and row-sum rescale. With the 2.8 margin almost no block jumps
+      // quad shuffles and two exp2. With the 2.8 margin almost no block jumps
       // after a row's first. Only in d128's 192-row kernel (fp8_traits.h, measured there).
       float tile_max[2];
       bool jumps = false;
@@ -132,38 +133,24 @@ struct Fp8OnlineSoftmax {
     }
   }
 
-  // Second half: s -> 2^6 * exp2(s * coef - shift) in place, accumulated into the row sums.
+  // Second half: s -> 2^6 * exp2(s * coef - shift) in place.
   // kExp2FmaPeriod: which exponentials run on the FMA pipe (exp2_fma.h).
   // [kBegin, kEnd): the flat elements to do.
-  // kTreeRowSums: each k32 step's 8 values per row are summed as a tree and then added to the row
-  // sum, so the dependent FADD chain per step is 4 deep instead of 8 (ncu: fixed-latency waits are
-  // the top stall of the d128 kernels). Kernel alone (H200, eleventh session): d128 192 rows 833 /
-  // 836 vs 826 / 821 TFLOP/s (causal 8k 740 vs 729), and ptxas no longer spills there; but d128
-  // 128 rows 798 / 792 vs 798 / 796 (causal 2k 456 vs 474), d256 1015 / 1019 vs 1028 / 1022, d64
-  // 526 / 523 vs 533 / 531.
   template <int kExp2FmaPeriod, int kBegin, int kEnd, typename Frag>
   __device__ __forceinline__ void exponentiate(Frag& s, const float (&coef)[2][kGroups],
                                                const float (&shift)[2]) {
     static_assert(kBegin % 16 == 0 && kEnd % 16 == 0, "whole k32 steps");
 #pragma unroll
-    for (int base = kBegin; base < kEnd; base += 16) {
-#pragma unroll
-      for (int i = base; i < base + 16; ++i) {
-        const float p = softmax_exp2<kExp2FmaPeriod>(
-            s(i) * coef[frag_row(i)][i / 16] - shift[frag_row(i)], i);
-        s(i) = p;
-        if constexpr (!kTreeRowSums) row_sum[frag_row(i)] += p;
-      }
-      if constexpr (kTreeRowSums) {
-        // Row r's values of the step: flat base + 2r + {0, 1, 4, 5, 8, 9, 12, 13} (frag_row).
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int b = base + 2 * r;
-          row_sum[r] += ((s(b) + s(b + 1)) + (s(b + 4) + s(b + 5))) +
-                        ((s(b + 8) + s(b + 9)) + (s(b + 12) + s(b + 13)));
-        }
-      }
+    for (int i = kBegin; i < kEnd; ++i) {
+      s(i) = softmax_exp2<kExp2FmaPeriod>(s(i) * coef[frag_row(i)][i / 16] - shift[frag_row(i)], i);
     }
+  }
+
+  // This thread's share of the rows' sums of 2^6 * P as quantized (TensorRowSum::hand_over);
+  // finalize() and the tail split's merge add the quad's shares up.
+  __device__ __forceinline__ void set_row_sums(const float (&mine)[2]) {
+    row_sum[0] = mine[0];
+    row_sum[1] = mine[1];
   }
 
   // inv_sum = v_scale / (2^6 * rowsum) (0 for a row that saw no key); LSE natural log, +inf for

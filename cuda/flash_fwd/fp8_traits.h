@@ -56,7 +56,7 @@ constexpr auto smem_atom_k_major_bytes() {
 // flash_fwd_fp8.h (fp8_default_block_m, fp8_block_m). Measured on the H200 (kernel alone,
 // cuda/flash_fwd/tools/fwd_timeline.cu, benchmarks/RESULTS.md): d64 192x128 444 TFLOP/s vs
 // 128x128 380 at 8k (fifth session). d128 192x128 in the plain order with the pipelined PV
-// (kPipelinedPv; 12 bytes spilled before kTreeRowSums) vs 128x128 with the overlap (eleventh
+// (kPipelinedPv; 12 bytes spilled then) vs 128x128 with the overlap (eleventh
 // session, two runs): 814-830 vs 789-802 non-causal 8k, 717-735 vs 696-709 causal 8k, but
 // 437-448 vs 466-475 causal 2k, hence both d128 kernels. Not taken at d128: 192x96 767, 192x128
 // with every 8th exp2 on the FMA pipe 790-792, 192x128 with 3 K/V stages 816 (no gain); in the
@@ -91,9 +91,6 @@ struct Fp8KernelTraits {
   // 706-710 vs 804-810; d256 period 4 941-946 vs 967-973: the d128 and d256 loops are not
   // MUFU-bound (session 5 found the same at d128).
   static constexpr int kExp2FmaPeriod = kHeadDim == 64 ? 4 : 0;
-  // Row sums summed per k32 step as a tree (fp8_softmax.h, measured there): only d128's 192-row
-  // kernel gains (+1-1.5%).
-  static constexpr bool kTreeRowSums = kHeadDim == 128 && kNumConsumerWarpGroups == 3;
   // The row max's quad reduction and O correction only when some row of the warp jumps past the
   // lazy margin (fp8_softmax.h, update_max). Kernel alone, 192-row d128 (H200, eighteenth
   // session, alternated): 8k +0.9%, causal 8k +2%, 2k +5% (ptxas spills 4 bytes: one LDL per
@@ -139,6 +136,12 @@ struct Fp8KernelTraits {
                            GMMA::Major::K, GMMA::Major::K>(),
       Layout<Shape<Int<kNumConsumerWarpGroups>, _1, _1>>{}));
 
+  // Row sums = P x selector (fp8_row_sum.h): a 64x8 accumulator per warpgroup.
+  using TiledMmaRowSum = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, _8, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::K>(),
+      Layout<Shape<Int<kNumConsumerWarpGroups>, _1, _1>>{}));
+
   using SmemAtomQK = decltype(smem_atom_k_major_bytes<Element, kHeadDim>());
   using SmemAtomVt = decltype(smem_atom_k_major_bytes<Element, kBlockN>());
   using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQK{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
@@ -151,6 +154,9 @@ struct Fp8KernelTraits {
   using SmemLayoutO = decltype(tile_to_shape(smem_atom_k_major_bytes<ElementOut, kHeadDim>(),
                                              Shape<Int<kBlockM>, Int<kHeadDim>>{}));
 
+  using SmemLayoutRowSumSelector =
+      decltype(tile_to_shape(SmemAtomVt{}, Shape<_8, Int<kBlockN>>{}));
+
   static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
@@ -159,6 +165,9 @@ struct Fp8KernelTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
     alignas(1024) cute::array_aligned<ElementOut, cosize_v<SmemLayoutO>, 1024> o;
+    // The row-sum GEMM's 0/1 B operand (fp8_row_sum.h), written once by kernel.h
+    alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutRowSumSelector>, 1024>
+        row_sum_selector;
     uint64_t q_full;
     uint64_t q_empty;
     uint64_t k_full[kStages];

@@ -5,6 +5,7 @@
 
 #include "flash_fwd/barriers.h"
 #include "flash_fwd/consumer.h"
+#include "flash_fwd/fp8_row_sum.h"
 #include "flash_fwd/kernel_params.h"
 #include "flash_fwd/producer.h"
 
@@ -33,6 +34,13 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
       mbar_init(&ss.v_empty[s], Traits::kNumConsumerThreads / 32);
     }
     cutlass::arch::fence_barrier_init();
+  }
+  if constexpr (Traits::kFp8) {
+    // The row-sum GEMM's constant B operand: generic-proxy stores, read by wgmma (async proxy)
+    // only after the fence and the barrier below.
+    TensorRowSum<Traits, true>::fill_selector(ss.row_sum_selector.data(), threadIdx.x,
+                                              Traits::kNumThreads);
+    cutlass::arch::fence_view_async_shared();
   }
   __syncthreads();
 
