@@ -16,8 +16,10 @@ is ~5e-2 on N(0, 1) data (tests/test_fp8.py); so:
     gives errors of order 1);
   - RMSE(kernel vs float64) <= 1.1 · RMSE(emulation vs float64) + 1e-3 · RMS(ref): independent
     errors add in quadrature, sqrt(0.05^2 + 0.01^2) = 1.02 · 0.05;
-  - LSE vs the emulation: 2e-3 absolute + 1e-3 relative (S error ~1e-4 · |S|, |S| <~ 10 here);
-    +inf exactly where the emulation (and the reference) has an empty row.
+  - LSE vs the emulation: 2e-3 absolute + 1e-3 relative (S error ~1e-4 · |S|, |S| <~ 10 here) on
+    all but 1% of the rows, every row within ln(1 + 2^-3) more (the row sum is that of the e4m3
+    weights, and (b) moves it by one e4m3 step of a weight: `_assert_lse_close`); +inf exactly
+    where the emulation (and the reference) has an empty row.
 All kernel outputs are NaN-poisoned before the kernel runs (JAX_FA3_DEBUG_POISON_OUTPUTS=1), so an
 unwritten element fails the finiteness checks.
 """
@@ -91,7 +93,9 @@ def _rms(x):
 # of the weights, e4m3's steps being 2^-3 relative); such a flip moves the row sum by one e4m3
 # step of that weight, at most 2^-3 of it, so the LSE by at most ln(1 + 2^-3), and only a row
 # that the weight dominates (short rows, peaked scores) by that much. Every other row agrees to
-# float32 rounding of the sums.
+# float32 rounding of the sums. Measured (H200, twenty-third session, the seqlen cases below at
+# d = 64, 128, 256): 25 of 276,408 rows beyond the tight tolerance, at most 7 of 8000 (and 1 of
+# 504) in one case, by at most 0.015.
 LSE_ATOL, LSE_RTOL = 2e-3, 1e-3
 LSE_FLIP_BOUND = float(np.log1p(2.0**-3))
 
