@@ -44,8 +44,8 @@ template <> struct ExtraParams<true> {
   float* tail_partials;      // the split tiles' pieces (tail_split.h; scheduler.num_split_tiles)
   // O (b, s_q, h, d) bf16: the tail merge writes split tiles directly. With v_mean the struct is
   // 72 bytes and the TMA descriptors after it start at the next 64-byte boundary. An earlier
-  // field that did so made ptxas spill 8 bytes in the 128-row d128 kernel; with v_mean that
-  // kernel spills none and the 192-row one its usual 4 (tests/test_sass.py).
+  // field that did so made ptxas spill 8 bytes in the 128-row d128 kernel; its spills today are
+  // pinned in tests/test_sass.py.
   void* out;
 };
 
