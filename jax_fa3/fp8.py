@@ -10,8 +10,9 @@ path emulates: same e4m3 rounding, same blocks, same scales):
    inputs). q·k is unchanged in exact arithmetic; an outlier coordinate is spread over all of them.
    V is not rotated.
 2. Centring of v (the call from floats; pre-quantized v may pass its own `v_mean`): μ = the
-   float32 mean of v over the keys per (batch, kv-head, dim) (`_v_mean`), and v - μ (float32) is
-   what gets quantized. The fp8 tensor cores add each P·V product into the float32 accumulator
+   float32 mean of v over the keys per (batch, kv-head, dim) (`_v_mean`; on Hopper the fused pass
+   below takes it itself, the same sum in another order), and v - μ (float32) is what gets
+   quantized. The fp8 tensor cores add each P·V product into the float32 accumulator
    with about 13 mantissa bits (aligned to the larger exponent, truncated): where V's values
    share a sign nothing cancels, the accumulator grows with the keys and O came out 7% low at 4k
    keys for V ~ N(2, 1) (H200) before this step; centred, V's terms cancel as zero-mean V's do.
@@ -55,7 +56,9 @@ XLA's float32 copy, transform and quantization; its quantization is the pure-JAX
 (scales and, without rotation, values, centred or not), and its butterflies are those of
 `hadamard_transform`'s pure-JAX form in the same order; only the last rounding of the 1/sqrt(d)
 factor can differ from XLA's (one float32 ulp, so an e4m3 value rarely moves by one step). v's
-quantization (μ from XLA, then one CUDA pass that subtracts it) writes the kernel's V layout
+quantization (one CUDA pass: per-chunk column sums, maxima and minima give μ and the scale,
+amax(|v - μ|) = max over columns of max(max - μ, μ - min), exact since float32 subtraction is
+monotonic; then the quantization of v - μ) writes the kernel's V layout
 directly (keys contiguous, permuted inside groups of 32, zero-padded to a multiple of 32:
 `_keys_transposed`), so the kernel skips the transpose pre-pass it runs on pre-quantized v (same
 bytes, so the same output bit for bit). The remaining differences
@@ -250,46 +253,68 @@ def _xla_quantize_keys_transposed(x, signs, mean, rotate: bool):
   return _keys_transposed(values), scales
 
 
-def _fused_rotate_quantize(rotate: bool, block_size: int | None, keys_transposed: bool = False):
-  """The CUDA pass as a function of (x, signs32, mean); vmap folds a mapped axis into the batch.
+# Tokens per chunk of the CUDA pass's chunked kernels (cuda/quantize/rotate_quantize.h,
+# kRotateQuantizeChunkTokens): sizes the centring workspace.
+ROTATE_QUANTIZE_CHUNK_TOKENS = 128
+
+
+def _fused_rotate_quantize(rotate: bool, block_size: int | None, keys_transposed: bool = False,
+                           centre: bool = False):
+  """The CUDA pass as a function of (x, signs32, mean) -> (values, scales, mean_out); vmap folds
+  a mapped axis into the batch.
 
   mean: (b, h, d) float32 to subtract before quantizing, or empty (`_no_mean`) for none.
   keys_transposed (one block per head only): values come back in the fp8 kernel's V layout
   (b, h, d, s_pad), see `_keys_transposed`.
+  centre (one block per head only, mean empty, no rotation): the pass takes each head's float32
+  mean over its tokens itself (`_v_mean`'s, up to the summation order), subtracts it and returns
+  it as mean_out (b, h, d); else mean_out is empty.
   """
-  assert not keys_transposed or block_size is None
+  assert not (keys_transposed or centre) or block_size is None
+  assert not (centre and rotate)
   _ffi.ensure_registered()
+
+  def xla_lane(x, s, m):
+    if centre:
+      m = _v_mean(x)
+    if keys_transposed:
+      values, scales = _xla_quantize_keys_transposed(x, s, m, rotate=rotate)
+    else:
+      values, scales = _xla_rotate_quantize(x, s, rotate, block_size, m)
+    return values, scales, m if centre else _no_mean()
 
   @jax.custom_batching.custom_vmap
   def call(x, signs32, mean):
     b, s, h, d = x.shape
     block = s if block_size is None else min(block_size, s)  # the same blocks
     values_shape = (b, h, d, -(-s // KEY_PAD) * KEY_PAD) if keys_transposed else x.shape
+    chunks = -(-s // ROTATE_QUANTIZE_CHUNK_TOKENS)
     result_types = (jax.ShapeDtypeStruct(values_shape, E4M3),
-                    jax.ShapeDtypeStruct((b, h, -(-s // block)), jnp.float32))
-    values, scales = jax.ffi.ffi_call(ROTATE_QUANTIZE_TARGET, result_types)(
+                    jax.ShapeDtypeStruct((b, h, -(-s // block)), jnp.float32),
+                    jax.ShapeDtypeStruct((b, h, d) if centre else (0,), jnp.float32),
+                    jax.ShapeDtypeStruct((b * h * chunks * 3 * d,) if centre else (0,),
+                                         jnp.float32))
+    values, scales, mean_out, _ = jax.ffi.ffi_call(ROTATE_QUANTIZE_TARGET, result_types)(
         x, signs32, mean, rotate=np.bool_(rotate), block_size=np.int32(block),
-        keys_transposed=np.bool_(keys_transposed))
-    return values, scales
+        keys_transposed=np.bool_(keys_transposed), centre=np.bool_(centre))
+    return values, scales, mean_out
 
   @call.def_vmap
   def _rule(axis_size, in_batched, x, signs32, mean):
     x_batched, signs_batched, mean_batched = in_batched
     if signs_batched:  # a rotation per lane: the XLA path, lane by lane
-      if keys_transposed:
-        lane = functools.partial(_xla_quantize_keys_transposed, rotate=rotate)
-      else:
-        lane = lambda x, s, m: _xla_rotate_quantize(x, s, rotate, block_size, m)
       in_axes = (0 if x_batched else None, 0, 0 if mean_batched else None)
-      return jax.vmap(lane, in_axes=in_axes)(x, signs32, mean), (True, True)
+      values, scales, mean_out = jax.vmap(xla_lane, in_axes=in_axes)(x, signs32, mean)
+      return (values, scales, mean_out if centre else _no_mean()), (True, True, centre)
     fold = lambda a: a.reshape((axis_size * a.shape[1],) + a.shape[2:])
     spread = lambda a: jnp.broadcast_to(a[None], (axis_size,) + a.shape)
     x = fold(x if x_batched else spread(x))
     if mean.size:  # per (batch, head) like x; an empty one stays empty
       mean = fold(mean if mean_batched else spread(mean))
-    values, scales = call(x, signs32, mean)
+    values, scales, mean_out = call(x, signs32, mean)
     unfold = lambda a: a.reshape((axis_size, a.shape[0] // axis_size) + a.shape[1:])
-    return (unfold(values), unfold(scales)), (True, True)
+    return ((unfold(values), unfold(scales), unfold(mean_out) if centre else mean_out),
+            (True, True, centre))
 
   return call
 
@@ -306,8 +331,8 @@ def _rotate_quantize(x, signs32, rotate: bool, block_size, mean=None):
   if not _fused_quantize_supported(x, block_size):
     return xla(x, signs32, mean)
   _ffi.ensure_registered()
-  return lax.platform_dependent(x, signs32, mean,
-                                cuda=_fused_rotate_quantize(rotate, block_size), default=xla)
+  fused = _fused_rotate_quantize(rotate, block_size)
+  return lax.platform_dependent(x, signs32, mean, cuda=lambda *a: fused(*a)[:2], default=xla)
 
 
 def _v_mean(v):
@@ -577,17 +602,25 @@ def _quantize_v_kernel_layout(v, v_mean=None):
   """(vt, v_scale (b, h_k)): v (less v_mean (b, h_k, d) when given) quantized (one scale per
   head, no rotation) by the CUDA pass straight into the fp8 kernel's V layout (b, h_k, d, s_pad);
   GPU only."""
-  vt, v_scale = _fused_rotate_quantize(False, None, keys_transposed=True)(
+  vt, v_scale, _ = _fused_rotate_quantize(False, None, keys_transposed=True)(
       v, jnp.ones(v.shape[-1:], jnp.float32), _no_mean() if v_mean is None else v_mean)
   return vt, v_scale[..., 0]
+
+
+def _centre_v_kernel_layout(v):
+  """(vt, v_scale (b, h_k), v_mean (b, h_k, d)): v centred by its mean over the keys, both taken
+  by the CUDA pass (one read of v for the mean, the amax and the column extremes, one more for
+  the quantization) straight into the fp8 kernel's V layout; GPU only."""
+  vt, v_scale, v_mean = _fused_rotate_quantize(False, None, keys_transposed=True, centre=True)(
+      v, jnp.ones(v.shape[-1:], jnp.float32), _no_mean())
+  return vt, v_scale[..., 0], v_mean
 
 
 def _kernel_from_float(q, k, v, signs, cfg: Fp8Config):
   """The GPU branch: q, k quantized as everywhere, v centred straight into the kernel's layout."""
   q8, q_scale = _rotate_quantize(q, signs, cfg.incoherent, cfg.block_size)
   k8, k_scale = _rotate_quantize(k, signs, cfg.incoherent, cfg.block_size)
-  v_mean = _v_mean(v)
-  vt, v_scale = _quantize_v_kernel_layout(v, v_mean)
+  vt, v_scale, v_mean = _centre_v_kernel_layout(v)
   return _kernel_forward(cfg, v_transposed=True)(q8, k8, vt, q_scale, k_scale, v_scale, v_mean)
 
 

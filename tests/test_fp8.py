@@ -519,6 +519,9 @@ def test_gpu_program_lowers_on_cpu(monkeypatch):
   assert sum("keys_transposed = true" in c[1] for c in quantize) == 1
   v_layout = next(c for c in quantize if "keys_transposed = true" in c[1])
   assert "tensor<2x2x128x320xf8E4M3FN>" in v_layout[2]  # (b, h_k, d, s_pad)
+  # v centred by the pass itself: its mean comes back (b, h_k, d) and goes to the kernel.
+  assert "centre = true" in v_layout[1] and "tensor<2x2x128xf32>" in v_layout[2]
+  assert sum("centre = true" in c[1] for c in quantize) == 1
   assert "v_transposed = true" in kernel[0][1] and "window_right = 0" in kernel[0][1]
   assert f"tensor<{2 * 2 * 320 * 4}xui8>" in kernel[0][2]  # workspace: k scales per key only
 

@@ -252,9 +252,10 @@ def test_fp8_v_given_transposed(s_q, s_k, h, h_k, d, causal):
 
 @pytest.mark.parametrize("d,s", [(128, 300), (64, 1000), (256, 129), (96, 77)])
 def test_fp8_from_floats_v_layout_from_quantize_equals_prepass(d, s):
-  """The user's call from floats quantizes v straight into the kernel's layout (no pre-pass);
-  its output must equal, bit for bit, that of the call that quantizes v as is and lets the kernel
-  transpose it (same e4m3 values, same kernel)."""
+  """The user's call from floats quantizes v straight into the kernel's layout (no pre-pass),
+  the pass taking v's mean itself; its output must equal, bit for bit, that of the kernel fed v
+  less the same mean quantized as is and transposed by its pre-pass (same e4m3 values, same
+  kernel)."""
   rng = np.random.default_rng(d + s)
   q, k, v = (jnp.asarray(rng.standard_normal((2, s, 4, d)), jnp.bfloat16) for _ in range(3))
   signs = jax.random.rademacher(jax.random.PRNGKey(0), (d,), dtype=jnp.float32)
@@ -266,7 +267,12 @@ def test_fp8_from_floats_v_layout_from_quantize_equals_prepass(d, s):
   out, lse = fp8._fp8_from_float(q, k, v, signs, cfg)
   prepass = dataclasses.replace(cfg, transpose_v_in_quantize=False)
   assert not fp8._v_transposed_by_quantize(v, prepass)
-  out2, lse2 = fp8._fp8_from_float(q, k, v, signs, prepass)
+  _, _, v_mean = jax.jit(fp8._centre_v_kernel_layout)(v)
+  q8, q_scale = fp8._rotate_quantize(q, signs, True, 64)
+  k8, k_scale = fp8._rotate_quantize(k, signs, True, 64)
+  v8, v_scale = fp8._rotate_quantize(v, signs, False, None, v_mean)
+  out2, lse2 = fp8.fp8_forward(q8, k8, v8, q_scale, k_scale, v_scale[..., 0], prepass,
+                               v_mean=v_mean)
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out2, np.float32))
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))

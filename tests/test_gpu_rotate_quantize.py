@@ -148,6 +148,47 @@ def test_centred_v_matches_pure_jax(d, dtype, seqlen):
   assert float(jnp.max(jnp.abs(values.astype(jnp.float32)))) == expected_amax
 
 
+@pytest.mark.parametrize("d", [32, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("seqlen", [1, 77, 128, 129, 1000, 4097])
+def test_centre_in_the_pass_matches_pure_jax(d, dtype, seqlen):
+  """The pass taking v's mean itself (per-chunk column sums, maxima and minima, folded in chunk
+  order): the mean is XLA's up to the summation order, and the values and the scale are bit for
+  bit XLA's quantization of v less that mean, in the kernel's layout (poisoned outputs); the
+  scale from the column extremes is the amax of the differences exactly."""
+  x = (_inputs(d + seqlen + 7, (2, seqlen, 3, d), jnp.float32) + 3.0).astype(dtype)
+  fn = jax.jit(fp8._centre_v_kernel_layout)
+  assert fp8.ROTATE_QUANTIZE_TARGET in fn.lower(x).as_text()
+  vt, scales, mean = fn(x)
+  want = np.asarray(jax.jit(fp8._v_mean)(x), np.float64)
+  # float32 sums of up to 4097 values near 3 in two orders: a few float32 ulps of the values
+  # apart (absolute: a column whose mean is near 0 has lost its leading digits in either order).
+  scale = float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+  np.testing.assert_allclose(np.asarray(mean, np.float64), want, rtol=0, atol=8e-7 * scale)
+  ref_values, ref_scales = _pure_jax(x, None, False, None, mean)
+  np.testing.assert_array_equal(np.asarray(scales), np.asarray(ref_scales)[..., 0])
+  np.testing.assert_array_equal(np.asarray(vt).view(np.uint8),
+                                np.asarray(fp8._keys_transposed(ref_values)).view(np.uint8))
+
+
+def test_centre_in_the_pass_special_heads():
+  """A head with a NaN: mean, scale and values as XLA's (NaN mean, scale 1); a constant head:
+  mean exact, all values zero, scale 1; the other heads untouched."""
+  x = np.asarray(_inputs(3, (1, 300, 3, 64), jnp.float32)) + 2.0
+  x[0, 17, 0, 5] = np.nan
+  x[0, :, 1, :] = 1.25
+  x = jnp.asarray(x)
+  vt, scales, mean = jax.jit(fp8._centre_v_kernel_layout)(x)
+  mean, scales = np.asarray(mean), np.asarray(scales)
+  assert np.isnan(mean[0, 0, 5]) and scales[0, 0] == 1.0
+  np.testing.assert_array_equal(mean[0, 1], 1.25)
+  assert scales[0, 1] == 1.0 and np.all(np.asarray(vt)[0, 1].view(np.uint8) == 0)
+  ref_values, ref_scales = _pure_jax(x[:, :, 2:], None, False, None, jnp.asarray(mean[:, 2:]))
+  np.testing.assert_array_equal(scales[:, 2:], np.asarray(ref_scales)[..., 0])
+  np.testing.assert_array_equal(np.asarray(vt)[:, 2:].view(np.uint8),
+                                np.asarray(fp8._keys_transposed(ref_values)).view(np.uint8))
+
+
 def test_keys_transposed_vmap_folds_into_batch():
   x = _inputs(9, (6, 200, 2, 64), jnp.float16).reshape(3, 2, 200, 2, 64)
   vt = jax.jit(jax.vmap(lambda x: _fused_keys_transposed(x)[0]))(x)
@@ -204,14 +245,17 @@ def test_vmap_folds_into_batch():
 
 _FFI_CALL = """
     def call(x, values_shape, scales_shape, block_size=64, rotate=True, signs_len=None,
-             keys_transposed=False, mean_shape=(0,)):
+             keys_transposed=False, mean_shape=(0,), centre=False, mean_out_shape=(0,),
+             workspace=0):
       d = x.shape[-1]
       types = (jax.ShapeDtypeStruct(values_shape, jnp.float8_e4m3fn),
-               jax.ShapeDtypeStruct(scales_shape, jnp.float32))
+               jax.ShapeDtypeStruct(scales_shape, jnp.float32),
+               jax.ShapeDtypeStruct(mean_out_shape, jnp.float32),
+               jax.ShapeDtypeStruct((workspace,), jnp.float32))
       return jax.ffi.ffi_call("jax_fa3_rotate_quantize_fp8", types)(
           x, jnp.ones((signs_len or d,), jnp.float32), jnp.zeros(mean_shape, jnp.float32),
-          rotate=np.bool_(rotate),
-          block_size=np.int32(block_size), keys_transposed=np.bool_(keys_transposed))
+          rotate=np.bool_(rotate), block_size=np.int32(block_size),
+          keys_transposed=np.bool_(keys_transposed), centre=np.bool_(centre))
 """
 
 
@@ -236,6 +280,21 @@ _FFI_CALL = """
     ("x = jnp.ones((1, 64, 2, 64), jnp.bfloat16)\n    "
      "result = lambda: call(x, x.shape, (1, 2, 1), mean_shape=(1, 64, 2))",
      "mean must have shape (1, 2, 64) (batch, heads, head_dim) or be empty"),
+    ("x = jnp.ones((1, 64, 2, 64), jnp.bfloat16)\n    "
+     "result = lambda: call(x, x.shape, (1, 2, 1), centre=True, mean_shape=(1, 2, 64), "
+     "mean_out_shape=(1, 2, 64), workspace=384)", "centre takes no mean operand"),
+    ("x = jnp.ones((1, 100, 2, 64), jnp.bfloat16)\n    "
+     "result = lambda: call(x, x.shape, (1, 2, 1), block_size=100, centre=True, "
+     "mean_out_shape=(1, 2, 64), workspace=384)", "centre takes rotate = false"),
+    ("x = jnp.ones((1, 100, 2, 64), jnp.bfloat16)\n    "
+     "result = lambda: call(x, x.shape, (1, 2, 2), rotate=False, centre=True, "
+     "mean_out_shape=(1, 2, 64), workspace=384)", "centre needs one block per head"),
+    ("x = jnp.ones((1, 100, 2, 64), jnp.bfloat16)\n    "
+     "result = lambda: call(x, x.shape, (1, 2, 1), block_size=100, rotate=False, centre=True, "
+     "mean_out_shape=(2, 64), workspace=384)", "mean_out must have shape (1, 2, 64)"),
+    ("x = jnp.ones((1, 200, 2, 64), jnp.bfloat16)\n    "
+     "result = lambda: call(x, x.shape, (1, 2, 1), block_size=200, rotate=False, centre=True, "
+     "mean_out_shape=(1, 2, 64), workspace=384)", "workspace must hold 768 float32"),
 ])
 def test_handler_rejects_bad_calls_with_ffi_error(body, expected):
   message = ffi_error_message(_FFI_CALL + "\n    " + body + "\n")

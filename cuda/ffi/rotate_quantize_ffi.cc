@@ -12,10 +12,16 @@ using ffi_util::invalid;
 using ffi_util::shape_str;
 
 // mean: (b, h, d) to subtract before quantizing (v's centring), or an empty array for none.
+// centre: the pass takes each head's mean itself (one block per head, mean empty, no rotation),
+// writes it to mean_out (b, h, d) and subtracts it; workspace:
+// rotate_quantize_centre_workspace_floats floats. Without centre both are empty arrays.
 ffi::Error rotate_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> signs,
-                                ffi::Buffer<ffi::F32> mean, bool rotate, int32_t block_size, bool keys_transposed,
+                                ffi::Buffer<ffi::F32> mean, bool rotate, int32_t block_size,
+                                bool keys_transposed, bool centre,
                                 ffi::Result<ffi::AnyBuffer> values,
-                                ffi::Result<ffi::Buffer<ffi::F32>> scales) {
+                                ffi::Result<ffi::Buffer<ffi::F32>> scales,
+                                ffi::Result<ffi::Buffer<ffi::F32>> mean_out,
+                                ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
   constexpr const char* kWhat = "rotate_quantize_fp8: ";
   const auto dims = x.dimensions();
   if (dims.size() != 4) {
@@ -65,15 +71,38 @@ ffi::Error rotate_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buff
     return invalid(kWhat, "mean must have shape (", b, ", ", h, ", ", d, ") (batch, heads, "
                    "head_dim) or be empty, got ", shape_str(mean.dimensions()));
   }
-  const RotateQuantizeParams params{x.untyped_data(), rotate ? signs.typed_data() : nullptr,
-                                    values->untyped_data(), scales->typed_data(), b, s, h,
-                                    static_cast<int>(d), block_size, *dtype, keys_transposed,
-                                    centred ? mean.typed_data() : nullptr};
+  if (centre) {
+    if (centred) return invalid(kWhat, "centre takes no mean operand (it computes its own)");
+    if (rotate) return invalid(kWhat, "centre takes rotate = false (v's quantization)");
+    if (block_size < s) {
+      return invalid(kWhat, "centre needs one block per head (block_size >= seqlen ", s,
+                     "), got block_size ", block_size);
+    }
+    const auto mean_dims = mean_out->dimensions();
+    if (mean_dims.size() != 3 || mean_dims[0] != b || mean_dims[1] != h || mean_dims[2] != d) {
+      return invalid(kWhat, "mean_out must have shape (", b, ", ", h, ", ", d, "), got ",
+                     shape_str(mean_dims));
+    }
+    if (const int64_t need = rotate_quantize_centre_workspace_floats(b, s, h, d);
+        workspace->element_count() < need) {
+      return invalid(kWhat, "workspace must hold ", need, " float32, got ",
+                     workspace->element_count());
+    }
+  }
+  RotateQuantizeParams params{x.untyped_data(), rotate ? signs.typed_data() : nullptr,
+                              values->untyped_data(), scales->typed_data(), b, s, h,
+                              static_cast<int>(d), block_size, *dtype, keys_transposed,
+                              centred ? mean.typed_data() : nullptr};
+  if (centre) {
+    params.mean_out = mean_out->typed_data();
+    params.partials = workspace->typed_data();
+  }
   if (const int64_t ctas = rotate_quantize_ctas(params); ctas > 0x7fffffff) {
     return invalid(kWhat, "x is too large: ", ctas, " CTAs (batch * heads * token blocks) for a ",
                    "grid limit of 2^31 - 1");
   }
-  if (auto err = ffi_util::poison_if_requested(stream, values, scales); err != cudaSuccess) {
+  if (auto err = ffi_util::poison_if_requested(stream, values, scales, mean_out);
+      err != cudaSuccess) {
     return ffi_util::from_cuda(err, "output poisoning");
   }
   return ffi_util::from_cuda(launch_rotate_quantize(params, stream), "rotate_quantize kernel launch");
@@ -91,6 +120,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3RotateQuantizeFp8, jax_fa3::rotate_quantize_
                                   .Attr<bool>("rotate")
                                   .Attr<int32_t>("block_size")
                                   .Attr<bool>("keys_transposed")
+                                  .Attr<bool>("centre")
                                   .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // scales
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // mean_out
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),  // workspace
                               {xla::ffi::Traits::kCmdBufferCompatible});

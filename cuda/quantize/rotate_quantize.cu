@@ -402,6 +402,113 @@ rotate_quantize_chunk_amax_kernel(RotateQuantizeParams p, int64_t n_blocks, int6
   }
 }
 
+// Centring in the pass (RotateQuantizeParams::mean_out; no rotation), step 1: each chunk's column
+// sums, maxima and minima into its slot of p.partials, (3, d) floats. A thread folds
+// kStatsColumns columns of every kRows-th token of the chunk in 24 registers, then the rows meet
+// in shared memory and are folded in row order (the pass stays deterministic). Why so few columns
+// a thread: a first version held a lane's 32 columns (the rotation's layout), needed 145-214
+// registers, fitted one CTA per SM and took 148 µs at 8k tokens (d = 128, H200), where XLA's mean
+// and the amax pass took 109; this one keeps eight CTAs per SM with their loads in flight.
+constexpr int kStatsColumns = 8;
+constexpr int kStatsThreads = 256;
+
+template <typename T>
+__device__ __forceinline__ void load_columns(const T* __restrict__ src,
+                                             float (&v)[kStatsColumns]) {
+  constexpr int kVec = 16 / sizeof(T);
+#pragma unroll
+  for (int i = 0; i < kStatsColumns / kVec; ++i) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src) + i);
+    const T* elems = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) v[i * kVec + j] = to_float(elems[j]);
+  }
+}
+
+template <typename T, int kDim>
+__global__ void __launch_bounds__(kStatsThreads)
+rotate_quantize_chunk_stats_kernel(RotateQuantizeParams p, int64_t chunks) {
+  constexpr int kThreadsPerRow = kDim / kStatsColumns;
+  constexpr int kRows = kStatsThreads / kThreadsPerRow;  // tokens a step; the rest idle (d = 96..)
+  __shared__ float stats_of_row[3][kRows][kDim];
+  const int column0 = kStatsColumns * (static_cast<int>(threadIdx.x) % kThreadsPerRow);
+  const int row = static_cast<int>(threadIdx.x) / kThreadsPerRow;
+  const Slice sl = slice_of(p, 1, chunks, kRotateQuantizeChunkTokens, blockIdx.x);
+  if (row < kRows) {
+    const T* x = static_cast<const T*>(p.x) + sl.base + column0;
+    const int64_t row_stride = p.h * p.d;
+    float sum[kStatsColumns], hi[kStatsColumns], lo[kStatsColumns];
+#pragma unroll
+    for (int e = 0; e < kStatsColumns; ++e) {
+      sum[e] = 0.f;
+      hi[e] = -INFINITY;
+      lo[e] = INFINITY;
+    }
+#pragma unroll 4
+    for (int64_t t = sl.t_begin + row; t < sl.t_end; t += kRows) {
+      float v[kStatsColumns];
+      load_columns<T>(x + t * row_stride, v);
+#pragma unroll
+      for (int e = 0; e < kStatsColumns; ++e) {
+        sum[e] += v[e];
+        hi[e] = fmaxf(hi[e], v[e]);
+        lo[e] = fminf(lo[e], v[e]);
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < kStatsColumns; ++e) {
+      stats_of_row[0][row][column0 + e] = sum[e];
+      stats_of_row[1][row][column0 + e] = hi[e];
+      stats_of_row[2][row][column0 + e] = lo[e];
+    }
+  }
+  __syncthreads();
+  float* slot = p.partials + int64_t(blockIdx.x) * 3 * kDim;
+  for (int col = static_cast<int>(threadIdx.x); col < kDim; col += kStatsThreads) {
+    float total = stats_of_row[0][0][col], h = stats_of_row[1][0][col], l = stats_of_row[2][0][col];
+    for (int r = 1; r < kRows; ++r) {
+      total += stats_of_row[0][r][col];
+      h = fmaxf(h, stats_of_row[1][r][col]);
+      l = fminf(l, stats_of_row[2][r][col]);
+    }
+    slot[col] = total;
+    slot[kDim + col] = h;
+    slot[2 * kDim + col] = l;
+  }
+}
+
+// Step 2, one CTA of d threads per (batch, head): thread c folds column c's chunk stats in chunk
+// order into the mean (sum / s, as jax_fa3.fp8._v_mean) and the column's largest |x - mean|,
+// max(max - mean, mean - min); the CTA's largest is the head's amax. A NaN anywhere in the head
+// makes the sum, the mean and so the amax NaN (scale 1.0), as on the XLA path (fmaxf, fminf drop
+// NaN, the sum does not).
+__global__ void rotate_quantize_centre_kernel(const float* partials, float* mean_out,
+                                              float* scales, int64_t chunks, int64_t s, int d) {
+  __shared__ uint32_t amax_of_warp[kRotateQuantizeMaxDim / 32];
+  const int64_t head = blockIdx.x;
+  const int col = static_cast<int>(threadIdx.x);
+  const float* stats = partials + head * chunks * 3 * d;
+  float sum = 0.f, hi = -INFINITY, lo = INFINITY;
+  for (int64_t c = 0; c < chunks; ++c) {
+    sum += stats[(3 * c) * d + col];
+    hi = fmaxf(hi, stats[(3 * c + 1) * d + col]);
+    lo = fminf(lo, stats[(3 * c + 2) * d + col]);
+  }
+  const float mean = __fdiv_rn(sum, static_cast<float>(s));
+  mean_out[head * d + col] = mean;
+  uint32_t bits = max(magnitude_bits(__fsub_rn(hi, mean)), magnitude_bits(__fsub_rn(mean, lo)));
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, offset));
+  }
+  if (col % 32 == 0) amax_of_warp[col / 32] = bits;
+  __syncthreads();
+  if (col == 0) {
+    for (int w = 1; w < d / 32; ++w) bits = max(bits, amax_of_warp[w]);
+    scales[head] = scale_from_amax(__uint_as_float(bits));
+  }
+}
+
 __global__ void rotate_quantize_scale_kernel(float* scales, int64_t n) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) scales[i] = scale_from_amax(scales[i]);
@@ -492,18 +599,35 @@ cudaError_t launch_shape(const RotateQuantizeParams& p, int64_t n_blocks, cudaSt
   }
   const int64_t ctas = slices * chunks;
   if (ctas > 0x7fffffff) return cudaErrorInvalidValue;
-  JAX_FA3_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(p.scales, 0, sizeof(float) * slices, stream));
-  rotate_quantize_chunk_amax_kernel<T, kLanesPerRow><<<static_cast<unsigned>(ctas), LaneMap<kLanesPerRow>::kThreads, 0, stream>>>(
-      p, n_blocks, chunks, block_pow2, rotation_scale);
-  JAX_FA3_RETURN_IF_LAUNCH_ERROR();
-  rotate_quantize_scale_kernel<<<static_cast<unsigned>((slices + 255) / 256), 256, 0, stream>>>(p.scales, slices);
-  JAX_FA3_RETURN_IF_LAUNCH_ERROR();
-  if (p.keys_transposed) {
-    rotate_quantize_chunk_keys_transposed_kernel<T, kLanesPerRow><<<static_cast<unsigned>(ctas), LaneMap<kLanesPerRow>::kThreads, 0, stream>>>(
-        p, n_blocks, chunks, block_pow2, rotation_scale);
+  constexpr int kThreads = LaneMap<kLanesPerRow>::kThreads;
+  RotateQuantizeParams second = p;  // what the quantizing pass subtracts
+  if (p.mean_out != nullptr) {
+    // The mean and the scale from per-chunk column stats (one block per head: slices = b * h).
+    rotate_quantize_chunk_stats_kernel<T, kPerLane * kLanesPerRow>
+        <<<static_cast<unsigned>(ctas), kStatsThreads, 0, stream>>>(p, chunks);
+    JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+    rotate_quantize_centre_kernel<<<static_cast<unsigned>(slices), p.d, 0, stream>>>(
+        p.partials, p.mean_out, p.scales, chunks, p.s, p.d);
+    JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+    second.mean = p.mean_out;
   } else {
-    rotate_quantize_chunk_kernel<T, kLanesPerRow><<<static_cast<unsigned>(ctas), LaneMap<kLanesPerRow>::kThreads, 0, stream>>>(
-        p, n_blocks, chunks, block_pow2, rotation_scale);
+    JAX_FA3_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(p.scales, 0, sizeof(float) * slices, stream));
+    rotate_quantize_chunk_amax_kernel<T, kLanesPerRow>
+        <<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(p, n_blocks, chunks, block_pow2,
+                                                               rotation_scale);
+    JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+    rotate_quantize_scale_kernel<<<static_cast<unsigned>((slices + 255) / 256), 256, 0, stream>>>(
+        p.scales, slices);
+    JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+  }
+  if (p.keys_transposed) {
+    rotate_quantize_chunk_keys_transposed_kernel<T, kLanesPerRow>
+        <<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(second, n_blocks, chunks,
+                                                               block_pow2, rotation_scale);
+  } else {
+    rotate_quantize_chunk_kernel<T, kLanesPerRow>
+        <<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(second, n_blocks, chunks,
+                                                               block_pow2, rotation_scale);
   }
   JAX_FA3_RETURN_IF_LAUNCH_ERROR();
   return cudaSuccess;
@@ -528,7 +652,9 @@ cudaError_t launch_typed(const RotateQuantizeParams& p, int64_t n_blocks, cudaSt
 
 cudaError_t launch_rotate_quantize(const RotateQuantizeParams& p, cudaStream_t stream) {
   if (!rotate_quantize_supports_dim(p.d) || p.block_size < 1 || p.b < 0 || p.s < 0 || p.h < 0 ||
-      (p.keys_transposed && p.block_size < p.s)) {
+      (p.keys_transposed && p.block_size < p.s) ||
+      (p.mean_out != nullptr && (p.block_size < p.s || p.mean != nullptr ||
+                                 p.partials == nullptr || p.signs != nullptr))) {
     return cudaErrorInvalidValue;
   }
   if (p.b == 0 || p.s == 0 || p.h == 0) return cudaSuccess;

@@ -33,6 +33,15 @@ struct RotateQuantizeParams {
   // the amax and the quantization (v's centring, jax_fa3/fp8.py); nullptr: none. Runs the chunked
   // passes (rotate_quantize_chunked).
   const float* mean = nullptr;
+  // The centring done by the pass itself (needs one block per head, block_size >= s, and no
+  // rotation, signs nullptr: v's quantization): the (b, h, d) float32 mean of each head's tokens
+  // goes to mean_out and is subtracted as `mean` would be (which must then be nullptr);
+  // `partials` is the workspace (rotate_quantize_centre_workspace_floats). The scale comes from
+  // the column extremes, amax = max over columns of max(max_c - mean_c, mean_c - min_c), which is
+  // exactly the amax of the rounded differences since float32 subtraction is monotonic. nullptr:
+  // no such centring.
+  float* mean_out = nullptr;
+  float* partials = nullptr;
 };
 
 // One warp holds a row in registers, d / 32 elements per lane: d a multiple of 32 up to this.
@@ -53,7 +62,7 @@ constexpr int64_t kRotateQuantizeChunkTokens = 128;
 // mode does (its stores transpose one chunk at a time), and so does a centred pass (only the
 // chunk kernels subtract a mean; the others are held to 85 registers).
 inline bool rotate_quantize_chunked(const RotateQuantizeParams& p) {
-  return p.keys_transposed || p.mean != nullptr;
+  return p.keys_transposed || p.mean != nullptr || p.mean_out != nullptr;
 }
 
 // CTAs per block: 1, or its number of chunks.
@@ -67,6 +76,12 @@ inline int64_t rotate_quantize_chunks(const RotateQuantizeParams& p) {
 // CTAs of the largest launch (must stay below 2^31).
 inline int64_t rotate_quantize_ctas(const RotateQuantizeParams& p) {
   return p.b * p.h * ((p.s + p.block_size - 1) / p.block_size) * rotate_quantize_chunks(p);
+}
+
+// Floats of RotateQuantizeParams::partials: column sum, max and min per chunk of each head.
+inline int64_t rotate_quantize_centre_workspace_floats(int64_t b, int64_t s, int64_t h,
+                                                       int64_t d) {
+  return b * h * ((s + kRotateQuantizeChunkTokens - 1) / kRotateQuantizeChunkTokens) * 3 * d;
 }
 
 cudaError_t launch_rotate_quantize(const RotateQuantizeParams& params, cudaStream_t stream);
