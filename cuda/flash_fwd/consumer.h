@@ -195,16 +195,23 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
       v_scale = __ldg(p.v_scale + bh_k);
       stage_v_mean(ss.v_mean, p.v_mean + bh_k * sc.d, sc.d, thread_idx);
     }
-    // Group g of block n_block starts at column n_block * kBlockN + 32 g; columns >= s_pad lie
-    // past every key (masked), any positive scale serves them.
+    // Block n_block's kKeyGroups group scales are slots kKeyGroups * n_block.. of k_col's row,
+    // padded with 1 to whole blocks (fp8_vt.h, fp8_k_col_entry): one 16-byte load, no bounds
+    // test but the tile's (it replaced four guarded loads: ~30 instructions a block). The
+    // look-ahead past the tile's first block reloads that block; a tile that sees no key (s_k = 0:
+    // k_col may be empty) loads nothing. Generic block sizes: all 1 (descale_columns).
     auto load_key_group_scales = [&](int n_block, float (&ks)[kKeyGroups]) {
       if constexpr (kFp8) {
-#pragma unroll
-        for (int g = 0; g < kKeyGroups; ++g) {
-          const int col = n_block * kBlockN + kFp8KeyScaleGroup * g;
-          const bool load = p.k_scale_grouped && n_block >= range.n_min && col < p.s_pad;
-          ks[g] = load ? __ldg(col_scale + col) : 1.f;
-        }
+        static_assert(kKeyGroups == 4, "a block's group scales are one float4");
+        const float4 four = range.n_max > range.n_min
+                                ? __ldg(reinterpret_cast<const float4*>(col_scale) +
+                                        max(n_block, range.n_min))
+                                : make_float4(1.f, 1.f, 1.f, 1.f);
+        const bool grouped = p.k_scale_grouped;
+        ks[0] = grouped ? four.x : 1.f;
+        ks[1] = grouped ? four.y : 1.f;
+        ks[2] = grouped ? four.z : 1.f;
+        ks[3] = grouped ? four.w : 1.f;
       }
     };
     load_key_group_scales(range.n_max - 1, ks_cur);

@@ -79,9 +79,14 @@ struct Fp8OnlineSoftmax {
     float group_max[2][kGroups];
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
-      group_max[0][g] = group_max[1][g] = -INFINITY;
+      // Each row's chain starts at its first element (16 g + 2 r), not at -inf: one FMNMX less
+      // per chain. fmaxf drops a NaN either way, so an all-NaN group gives NaN, which the
+      // fmaxf of row_tile_max drops as it dropped -inf.
+      group_max[0][g] = s(16 * g);
+      group_max[1][g] = s(16 * g + 2);
 #pragma unroll
       for (int i = 16 * g; i < 16 * g + 16; ++i) {
+        if (i == 16 * g || i == 16 * g + 2) continue;
         group_max[frag_row(i)][g] = fmaxf(group_max[frag_row(i)][g], s(i));
       }
     }

@@ -1,16 +1,34 @@
 // The fp8 forward's pre-pass: V (b, s_k, h_k, d) e4m3 -> Vt (b, h_k, d, s_pad) e4m3, keys
 // contiguous and permuted inside each group of 32 (fp8_layout.h), zero for keys >= s_k; and the
-// per-key k scale k_col (b, h_k, s_pad) f32 = k_scale[b, h_k, key / block_size] (1 past s_k: any
-// positive value, the consumer masks those keys), so the consumer loads one float per column or
-// per 32-key group without a division; and the tail split's tickets cleared.
+// k scales k_col (b, h_k, s_pad) f32 the consumer reads without a division: one per 32-key group
+// or one per key (fp8_k_col_entry; 1 past s_k: any positive value, the consumer masks those
+// keys); and the tail split's tickets cleared.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "flash_fwd/fp8_softmax.h"
 #include "flash_fwd/fp8_vt_store.h"
 
 namespace jax_fa3::fwd {
+
+// Entry `slot` (0..s_pad-1) of a (batch, kv-head)'s k_col row. Block sizes that are multiples of
+// 32 (k_scale_grouped) only need one scale per 32-key group, so the row holds those, group j at
+// slot j (the key 32 j's scale), 1 past the last group up to a whole number of 128-key blocks,
+// so the consumer loads a block's four as one float4 (4 * ceil(s_pad / 128) <= s_pad slots).
+// Other block sizes: one scale per key, key `slot`.
+__device__ __forceinline__ float fp8_k_col_entry(const float* __restrict__ k_scale, int64_t bh,
+                                                 int slot, int s_k, int s_pad, int block_size,
+                                                 int num_k_blocks) {
+  if (block_size % kFp8KeyScaleGroup != 0) {
+    return fp8_key_column_scale(k_scale, bh, slot, s_k, block_size, num_k_blocks);
+  }
+  const int key = kFp8KeyScaleGroup * slot;
+  return slot < 4 * ((s_pad + 127) / 128) && key < s_k
+             ? k_scale[bh * num_k_blocks + key / block_size]
+             : 1.f;
+}
 
 // The tail split's tickets (tail_split.h, merge_if_last_piece) start at 0 in every call: the
 // workspace is XLA scratch with whatever a previous op left there. Block 0 of the pre-kernel,
@@ -98,10 +116,10 @@ static __global__ void __launch_bounds__(kVtThreads)
                          vt + (int64_t(c.bh) * d + dim) * s_pad + c.key0 + 32 * group, s_pad);
     }
     if (c.d0 == 0 && t < kVtTileKeys) {
-      const int key = c.key0 + t;
-      if (key < s_pad) {
-        k_col[int64_t(c.bh) * s_pad + key] =
-            fp8_key_column_scale(k_scale, c.bh, key, s_k, block_size, num_k_blocks);
+      const int slot = c.key0 + t;
+      if (slot < s_pad) {
+        k_col[int64_t(c.bh) * s_pad + slot] =
+            fp8_k_col_entry(k_scale, c.bh, slot, s_k, s_pad, block_size, num_k_blocks);
       }
     }
   }
@@ -118,8 +136,8 @@ static __global__ void __launch_bounds__(kKeyColumnThreads)
   if (blockIdx.x == 0) zero_tail_tickets(tail_tickets, num_tail_tickets);
   const int64_t i = int64_t(blockIdx.x) * kKeyColumnThreads + threadIdx.x;
   if (i < num_columns) {
-    k_col[i] = fp8_key_column_scale(k_scale, i / s_pad, static_cast<int>(i % s_pad), s_k,
-                                    block_size, num_k_blocks);
+    k_col[i] = fp8_k_col_entry(k_scale, i / s_pad, static_cast<int>(i % s_pad), s_k, s_pad,
+                               block_size, num_k_blocks);
   }
 }
 

@@ -32,7 +32,7 @@ auto make_gmem_tensor(Element* ptr, int seq, int d, int heads, int batch) {
 template <bool kFp8> struct ExtraParams {};
 template <> struct ExtraParams<true> {
   const float* q_scale;      // (b, h, num_q_blocks): the per-row-block q descale
-  const float* k_col_scale;  // (b, h_k, s_pad): k_scale expanded to one float per key (1 past s_k)
+  const float* k_col_scale;  // (b, h_k, s_pad): k scales per 32-key group or per key (fp8_vt.h)
   const float* v_scale;      // (b, h_k)
   const float* v_mean;       // (b, h_k, d): added back to O's non-empty rows (fp8_v_mean.h)
   int num_q_blocks;          // ceil(s_q / block_size)
