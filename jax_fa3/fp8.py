@@ -514,7 +514,7 @@ def _kernel_forward(cfg: Fp8Config, v_transposed: bool = False):
   def call(q8, k8, v8, q_scale, k_scale, v_scale, v_mean):
     b, s_q, h, d = q8.shape
     s_k, h_k = k8.shape[1], k8.shape[2]
-    # V transposed unless v arrives so, per-key k scales, the tail split's slots: the size lives
+    # V transposed unless v arrives so, the k scales (k_col), the tail split's slots: the size lives
     # in C++ only (flash_fwd_fp8_workspace_bytes), which the handler checks the buffer against.
     masked = att.window_left >= 0 or att.window_right >= 0
     workspace = max(16, _ffi.flash_fwd_fp8_workspace_bytes(b, s_q, s_k, h, h_k, d, masked,
