@@ -197,6 +197,19 @@ def test_keys_transposed_vmap_folds_into_batch():
                                   np.asarray(_fused_keys_transposed(x[i])[0]).view(np.uint8))
 
 
+def test_centre_in_the_pass_vmap_folds_into_batch():
+  """Under vmap the centring pass runs once on the folded batch: each lane's values, scale and
+  mean are those of its own call (the chunks never cross a (batch, head))."""
+  x = (_inputs(11, (6, 300, 2, 64), jnp.bfloat16) + 1.5).reshape(3, 2, 300, 2, 64)
+  vt, scales, mean = jax.jit(jax.vmap(fp8._centre_v_kernel_layout))(x)
+  for i in range(3):
+    vt_i, scales_i, mean_i = jax.jit(fp8._centre_v_kernel_layout)(x[i])
+    np.testing.assert_array_equal(np.asarray(vt[i]).view(np.uint8),
+                                  np.asarray(vt_i).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(scales[i]), np.asarray(scales_i))
+    np.testing.assert_array_equal(np.asarray(mean[i]), np.asarray(mean_i))
+
+
 def test_special_blocks_match_pure_jax():
   """An all-zero block (scale 1), a block with a NaN (scale 1, NaN only where the NaN was) and
   a block beyond e4m3's range."""
