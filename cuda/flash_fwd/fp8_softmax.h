@@ -187,7 +187,7 @@ template <int kStepBegin, int kStepEnd, class FragS, class FragP>
 __device__ __forceinline__ void convert_p_fp8(FragS const& tSrS, FragP& tOrP) {
   static_assert(decltype(size(tOrP))::value == decltype(size(tSrS))::value);
   static_assert(decltype(size(tSrS))::value % 16 == 0);
-  Tensor p32 = cute::recast<uint32_t>(tOrP);
+  cute::Tensor p32 = cute::recast<uint32_t>(tOrP);
 #pragma unroll
   for (int step = kStepBegin; step < kStepEnd; ++step) {
 #pragma unroll

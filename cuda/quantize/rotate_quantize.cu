@@ -496,11 +496,9 @@ __global__ void rotate_quantize_centre_kernel(const float* partials, float* mean
   }
   const float mean = __fdiv_rn(sum, static_cast<float>(s));
   mean_out[head * d + col] = mean;
-  uint32_t bits = max(magnitude_bits(__fsub_rn(hi, mean)), magnitude_bits(__fsub_rn(mean, lo)));
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, offset));
-  }
+  const float column_amax = __uint_as_float(
+      max(magnitude_bits(__fsub_rn(hi, mean)), magnitude_bits(__fsub_rn(mean, lo))));
+  uint32_t bits = __float_as_uint(warp_amax(column_amax));
   if (col % 32 == 0) amax_of_warp[col / 32] = bits;
   __syncthreads();
   if (col == 0) {
