@@ -17,17 +17,16 @@ namespace jax_fa3::fwd {
 // 32 (k_scale_grouped) only need one scale per 32-key group, so the row holds those, group j at
 // slot j (the key 32 j's scale), 1 past the last group up to a whole number of 128-key blocks,
 // so the consumer loads a block's four as one float4 (4 * ceil(s_pad / 128) <= s_pad slots).
-// Other block sizes: one scale per key, key `slot`.
+// Other block sizes: one scale per key, key `slot`. The grouped test needs no bound on `slot`
+// beyond key < s_k: the groups of real keys, ceil(s_k / 32), fit in the padded row.
 __device__ __forceinline__ float fp8_k_col_entry(const float* __restrict__ k_scale, int64_t bh,
-                                                 int slot, int s_k, int s_pad, int block_size,
+                                                 int slot, int s_k, int block_size,
                                                  int num_k_blocks) {
   if (block_size % kFp8KeyScaleGroup != 0) {
     return fp8_key_column_scale(k_scale, bh, slot, s_k, block_size, num_k_blocks);
   }
   const int key = kFp8KeyScaleGroup * slot;
-  return slot < 4 * ((s_pad + 127) / 128) && key < s_k
-             ? k_scale[bh * num_k_blocks + key / block_size]
-             : 1.f;
+  return key < s_k ? k_scale[bh * num_k_blocks + key / block_size] : 1.f;
 }
 
 // The tail split's tickets (tail_split.h, merge_if_last_piece) start at 0 in every call: the
@@ -119,7 +118,7 @@ static __global__ void __launch_bounds__(kVtThreads)
       const int slot = c.key0 + t;
       if (slot < s_pad) {
         k_col[int64_t(c.bh) * s_pad + slot] =
-            fp8_k_col_entry(k_scale, c.bh, slot, s_k, s_pad, block_size, num_k_blocks);
+            fp8_k_col_entry(k_scale, c.bh, slot, s_k, block_size, num_k_blocks);
       }
     }
   }
@@ -136,8 +135,8 @@ static __global__ void __launch_bounds__(kKeyColumnThreads)
   if (blockIdx.x == 0) zero_tail_tickets(tail_tickets, num_tail_tickets);
   const int64_t i = int64_t(blockIdx.x) * kKeyColumnThreads + threadIdx.x;
   if (i < num_columns) {
-    k_col[i] = fp8_k_col_entry(k_scale, i / s_pad, static_cast<int>(i % s_pad), s_k, s_pad,
-                               block_size, num_k_blocks);
+    k_col[i] = fp8_k_col_entry(k_scale, i / s_pad, static_cast<int>(i % s_pad), s_k, block_size,
+                               num_k_blocks);
   }
 }
 
