@@ -7,7 +7,8 @@ kernel uses wgmma of its type (QGMMA for fp8, the FP8 issue's "SASS shows QGMMA"
 setmaxnreg, no kernel has its wgmmas serialized by ptxas (each waited for at once), and no
 kernel spills more than it does today. The known spills (SPILL_BUDGET): the fp8 d128 128-row
 forward 12 bytes under its 208-register cap, outside the K/V loop, its 192-row kernel 4 bytes
-(one load per K/V block, measured faster than without), and the fp8 input pass's block kernel 20-48. A new spill anywhere fails here before it costs speed.
+(one load per K/V block, measured faster than without), and the fp8 input pass's block kernel
+20-48. A new spill anywhere fails here before it costs speed.
 Skipped without the installed kernels library (a pure-JAX install) or cuobjdump and nvdisasm (the
 test extra's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm provide them).
 """
