@@ -125,8 +125,9 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   typename Traits::TiledMmaPV mma_pv;
   // The S GEMM's shared-memory descriptors depend on the thread's warpgroup only. Slicing by a
   // warpgroup index that ptxas can see is warp-uniform (a shuffle from lane 0) lets it keep them
-  // in uniform registers, instead of moving each one over by R2UR before every wgmma (fp8 only:
-  // measured there).
+  // in uniform registers, instead of moving each one over by R2UR before every wgmma. fp8 only:
+  // +2% there at d128; the bf16 kernel sliced so measured even at 8k and 1.7% slower causal
+  // (benchmarks/RESULTS.md, twenty-fifth session).
   const int qk_slice_thread =
       Traits::kFp8 ? 128 * __shfl_sync(0xffffffffu, thread_idx / 128, 0) : thread_idx;
   auto thr_qk = mma_qk.get_thread_slice(qk_slice_thread);
