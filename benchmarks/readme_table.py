@@ -1,7 +1,8 @@
 """The README's performance table and plot, from one JSON written by bench_attention.py.
 
 Prints a markdown table (forward and backward TFLOP/s of jax_fa3 and its peers per head dim,
-causal or not, and sequence length, with jax_fa3's ratio to cuDNN) and writes a PNG with a
+causal or not, and sequence length, with jax_fa3's ratio to cuDNN; the fp8 forward of jax_fa3
+and cuDNN when the run has them) and writes a PNG with a
 forward and a backward panel per head dim, stamped with the run's date, GPU and commit. Both come
 from the same run, so every number in them was measured beside the others.
 
@@ -18,6 +19,9 @@ import json
 # Column order and labels; a peer absent from the run gets no column.
 PEERS = (("jax_fa3", "jax_fa3"), ("cudnn", "cuDNN"), ("pallas_mgpu", "Pallas MGPU (fp16)"),
          ("xla", "XLA"))
+# Forward only, shown when the run has them: the user's fp8 call from bf16 inputs (rotation and
+# quantization inside the timing) and cuDNN's fp8 attention from pre-quantized inputs.
+FP8_PEERS = (("jax_fa3_fp8_e2e", "jax_fa3 fp8 from bf16"), ("cudnn_fp8", "cuDNN fp8"))
 DIRECTIONS = (("fwd", "forward"), ("bwd", "backward"))
 
 
@@ -64,6 +68,8 @@ def table(header: dict, rows: list[dict], seqlens: list[int] | None = None) -> s
     head += [f"{dlabel}: {label}" if i == 0 else label for i, (_, label) in enumerate(peers)]
     if "cudnn" in present:
       head.append("÷ cuDNN")
+  fp8 = [(p, label) for p, label in FP8_PEERS if p in present]
+  head += [label for _, label in fp8]
   lines = [f"TFLOP/s, {stamp(header)}; bf16 (Pallas MGPU fp16), 16k tokens per call, "
            "model width 2048; — = not run or failed.", "",
            "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -75,6 +81,7 @@ def table(header: dict, rows: list[dict], seqlens: list[int] | None = None) -> s
       if "cudnn" in present:
         ours, cudnn = values["jax_fa3"], values.get("cudnn")
         cells.append("—" if ours is None or not cudnn else f"{ours / cudnn:.2f}×")
+    cells += [_cell(_value(rows, p, d, causal, s, "fwd")) for p, _ in fp8]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
