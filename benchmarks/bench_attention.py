@@ -15,14 +15,19 @@ the kernel's layout, kernel; `jax_fa3_fp8_e2e_prepass`: v quantized as is, then 
 and `fp8_prep` (a table of its own) times the rotation + quantization pass alone: the fused CUDA
 pass and the XLA path it replaced.
 
-  python benchmarks/bench_attention.py [--quick] [--json out.json] [--png out.png]
+  python benchmarks/bench_attention.py [--json out.json] [--png out.png] [--peers a,b] ...
+
+The JSON's header names the date (UTC), GPU, JAX version and the commit measured;
+`benchmarks/readme_table.py` turns one such JSON into the README's table and plot.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
+import pathlib
 import platform
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -136,8 +141,21 @@ def _fp8_peers(causal):
   return peers
 
 
+def _commit() -> str:
+  """The checkout's short commit, "+dirty" when it has local changes; the results name it."""
+  root = pathlib.Path(__file__).resolve().parent.parent
+  try:
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                           capture_output=True, text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown (not a git checkout)"
+  return rev + ("+dirty" if dirty else "")
+
+
 def run(head_dims, seqlens, directions, dtype, min_time, causal_modes=(False, True),
-        only_peers=None):
+        only_peers=None, on_row=None):
   rows = []
   key = jax.random.PRNGKey(0)
   for d in head_dims:
@@ -185,6 +203,8 @@ def run(head_dims, seqlens, directions, dtype, min_time, causal_modes=(False, Tr
               row["bwd_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
           rows.append(row)
           print(json.dumps(row), flush=True)
+          if on_row is not None:
+            on_row(rows)
   return rows
 
 
@@ -222,7 +242,7 @@ def prep_rows(head_dims, seqlens, min_time):
       # itself (what the user's call from bf16 runs) and, for comparison, with XLA's mean and the
       # pass that subtracts it (the call before the pass took the mean). One jitted call runs a
       # part on PART_COPIES distinct inputs: a single ~50 µs pass per call timed the host's
-      # dispatch instead (thirteenth session: 72 µs here vs 52 in the standalone tool).
+      # dispatch instead (H200, 2026-12-02: 72 µs here vs 52 in the standalone tool).
       copies = [q] + [q * (1 + 2.0**-6 * i) for i in range(1, PART_COPIES)]
       for name, fn in (("q_rotated", lambda x, s: fp8._rotate_quantize(x, s, True, 64)),
                        ("v_per_head",
@@ -307,20 +327,26 @@ def main():
   parser.add_argument("--png", default="bench_attention.png")
   args = parser.parse_args()
   device = jax.devices()[0]
-  header = dict(date=str(datetime.date.today()), device=device.device_kind, jax=jax.__version__,
+  header = dict(date=str(datetime.datetime.now(datetime.timezone.utc).date()),
+                commit=_commit(), device=device.device_kind, jax=jax.__version__,
                 jax_fa3=jax_fa3.__version__, kernels=jax_fa3.kernels_available(),
                 python=platform.python_version())
   print(json.dumps(header))
   head_dims = [int(x) for x in args.head_dims.split(",")]
   seqlens = [int(x) for x in args.seqlens.split(",")]
   only = set(args.peers.split(",")) if args.peers else None
+
+  # Rewritten after every row, so a run stopped by a time limit keeps what it measured.
+  def write(rows, prep=()):
+    with open(args.json, "w") as f:
+      json.dump(dict(header=header, rows=rows, fp8_prep=list(prep)), f, indent=1)
+
   rows = run(head_dims, seqlens, args.directions.split(","), jnp.dtype(args.dtype), args.min_time,
-             {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal], only)
+             {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal], only, write)
   prep = []
   if jax_fa3.kernels_available() and (only is None or "fp8_prep" in only):
     prep = prep_rows(head_dims, seqlens, args.min_time)
-  with open(args.json, "w") as f:
-    json.dump(dict(header=header, rows=rows, fp8_prep=prep), f, indent=1)
+  write(rows, prep)
   try:
     plot(rows, args.png)
   except ImportError:

@@ -8,10 +8,10 @@
 #
 # Stages: STAGES="install fwd bwd sanitizer bench fp8 ring" (default: all but fp8 and ring), e.g.
 # STAGES="install bwd". fp8: the fp8 kernel's and its input pass's tests, and tests/test_fp8.py
-# (the public API on the kernel; 271 tests, 7 minutes on the H200; FP8_TIMEOUT seconds at most,
+# (the public API on the kernel; 271 tests, 7 minutes on the H200 on 2026-12-02; FP8_TIMEOUT seconds at most,
 # default 540).
 # ring needs 2+ GPUs: benchmarks/bench_ring.py, 128k tokens, 1 vs n GPUs.
-# Building the kernels library on a CPU machine first (cmake, see README) and passing it here
+# Building the kernels library on a CPU machine first (cmake; README, build options) and passing it here
 # skips the 2-10 minute CUDA build on the GPU machine: only the Python binding is built there.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
