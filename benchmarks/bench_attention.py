@@ -57,35 +57,35 @@ def _flash_attn3_peer(causal):
 
 def _fp8_peers(causal):
   """jax_fa3's fp8 kernel and cuDNN's fp8 attention, both from pre-quantized inputs."""
-  from jax_fa3 import fp8  # noqa: PLC0415
-  from jax_fa3._config import AttentionConfig  # noqa: PLC0415
+  from jax_fa3 import _fp8_forward, _fp8_quantize, fp8  # noqa: PLC0415
+  from jax_fa3._config import AttentionConfig, Fp8Config  # noqa: PLC0415
 
   # v centred by its mean over the keys, as the user's call from bf16 does (fp8.py, step 2).
   def prepare_ours(q, k, v):
     q8, qs = fp8.quantize_fp8(q, block_size=64)
     k8, ks = fp8.quantize_fp8(k, block_size=64)
-    vm = fp8._v_mean(v)
+    vm = _fp8_quantize.mean_over_keys(v)
     v8, vs = fp8.quantize_fp8(v.astype(jnp.float32) - vm[:, None], block_size=None)
     return jax.block_until_ready((q8, k8, v8, qs, ks, vs[..., 0], vm))
 
   def ours(q8, k8, v8, qs, ks, vs, vm):
     att = AttentionConfig(softmax_scale=q8.shape[-1] ** -0.5, window_left=-1,
                           window_right=0 if causal else -1)
-    cfg = fp8.Fp8Config(att, block_size=64, incoherent=False, return_lse=False)
-    return fp8.fp8_forward(q8, k8, v8, qs, ks, vs, cfg, v_mean=vm)[0]
+    cfg = Fp8Config(att, block_size=64, incoherent=False, return_lse=False)
+    return _fp8_forward.fp8_forward(q8, k8, v8, qs, ks, vs, cfg, v_mean=vm)[0]
 
   # The kernel without its V pre-pass: v pre-quantized straight into the kernel's layout (the
   # quantization pass's keys-transposed mode, as the user's call from bf16 runs it).
   def prepare_ours_vt(q, k, v):
     q8, k8, _, qs, ks, _, _ = prepare_ours(q, k, v)
-    vt, vs, vm = fp8._centre_v_kernel_layout(v)
+    vt, vs, vm = _fp8_quantize.centre_v_kernel_layout(v)
     return jax.block_until_ready((q8, k8, vt, qs, ks, vs, vm))
 
   def ours_vt(q8, k8, vt, qs, ks, vs, vm):
     att = AttentionConfig(softmax_scale=q8.shape[-1] ** -0.5, window_left=-1,
                           window_right=0 if causal else -1)
-    cfg = fp8.Fp8Config(att, block_size=64, incoherent=False, return_lse=False)
-    return fp8._kernel_forward(cfg, v_transposed=True)(q8, k8, vt, qs, ks, vs, vm)[0]
+    cfg = Fp8Config(att, block_size=64, incoherent=False, return_lse=False)
+    return _fp8_forward.kernel_forward(cfg, v_transposed=True)(q8, k8, vt, qs, ks, vs, vm)[0]
 
   # The whole user call from bf16: rotation + quantization of q and k (fused CUDA pass), v's
   # quantization (into the kernel's V layout) and the kernel, all inside the timing; `_prepass`:
@@ -96,7 +96,7 @@ def _fp8_peers(causal):
   def end_to_end_prepass(q, k, v):
     att = AttentionConfig(softmax_scale=q.shape[-1] ** -0.5, window_left=-1,
                           window_right=0 if causal else -1)
-    cfg = fp8.Fp8Config(att, block_size=64, incoherent=True, transpose_v_in_quantize=False)
+    cfg = Fp8Config(att, block_size=64, incoherent=True, transpose_v_in_quantize=False)
     signs = jax.random.rademacher(jax.random.PRNGKey(0), q.shape[-1:], dtype=jnp.float32)
     return fp8._fp8_from_float(q, k, v, signs, cfg)[0]
 
@@ -105,8 +105,8 @@ def _fp8_peers(causal):
            _bench.Peer("jax_fa3_fp8_e2e", end_to_end, max_rel_err=0.1, forward_only=True),
            _bench.Peer("jax_fa3_fp8_e2e_prepass", end_to_end_prepass, max_rel_err=0.1,
                        forward_only=True)]
-  if fp8._v_transposed_by_quantize(jnp.zeros((1, 1, 1, 128), jnp.bfloat16),
-                                   fp8.Fp8Config(AttentionConfig(1.0, -1, -1))):
+  if _fp8_forward.v_transposed_by_quantize(jnp.zeros((1, 1, 1, 128), jnp.bfloat16),
+                                   Fp8Config(AttentionConfig(1.0, -1, -1))):
     peers.append(_bench.Peer("jax_fa3_fp8_vt", ours_vt, prepare=prepare_ours_vt,
                              max_rel_err=0.1, forward_only=True))
   try:
@@ -211,17 +211,17 @@ def run(head_dims, seqlens, directions, dtype, min_time, causal_modes=(False, Tr
 def prep_rows(head_dims, seqlens, min_time):
   """Time of the fp8 input pass alone (rotate + quantize q and k per 64-token block, quantize v
   per head) at the benchmark's shapes: the fused CUDA pass and the XLA path it replaces."""
-  from jax_fa3 import fp8  # noqa: PLC0415
+  from jax_fa3 import _fp8_quantize  # noqa: PLC0415
 
   def xla_path(q, k, v, signs):
-    q8, qs = fp8._xla_rotate_quantize(q, signs, True, 64)
-    k8, ks = fp8._xla_rotate_quantize(k, signs, True, 64)
-    vm = fp8._v_mean(v)
-    v8, vs = fp8._quantize(v.astype(jnp.float32) - vm[:, None], None)
+    q8, qs = _fp8_quantize.xla_rotate_quantize(q, signs, True, 64)
+    k8, ks = _fp8_quantize.xla_rotate_quantize(k, signs, True, 64)
+    vm = _fp8_quantize.mean_over_keys(v)
+    v8, vs = _fp8_quantize.quantize_blocks(v.astype(jnp.float32) - vm[:, None], None)
     return q8, k8, v8, qs, ks, vs, vm
 
   def fused_path(q, k, v, signs):
-    return fp8._rotate_and_quantize(q, k, v, signs, True, 64)
+    return _fp8_quantize.rotate_and_quantize(q, k, v, signs, True, 64)
 
   rows = []
   for d in head_dims:
@@ -244,12 +244,14 @@ def prep_rows(head_dims, seqlens, min_time):
       # part on PART_COPIES distinct inputs: a single ~50 µs pass per call timed the host's
       # dispatch instead (H200, 2026-12-02: 72 µs here vs 52 in the standalone tool).
       copies = [q] + [q * (1 + 2.0**-6 * i) for i in range(1, PART_COPIES)]
-      for name, fn in (("q_rotated", lambda x, s: fp8._rotate_quantize(x, s, True, 64)),
+      for name, fn in (("q_rotated", lambda x, s: _fp8_quantize.rotate_quantize(x, s, True, 64)),
                        ("v_per_head",
-                        lambda x, s: fp8._rotate_quantize(x, s, False, None, fp8._v_mean(x))),
-                       ("v_kernel_layout", lambda x, s: fp8._centre_v_kernel_layout(x)),
+                        lambda x, s: _fp8_quantize.rotate_quantize(
+                            x, s, False, None, _fp8_quantize.mean_over_keys(x))),
+                       ("v_kernel_layout", lambda x, s: _fp8_quantize.centre_v_kernel_layout(x)),
                        ("v_kernel_layout_xla_mean",
-                        lambda x, s: fp8._quantize_v_kernel_layout(x, fp8._v_mean(x)))):
+                        lambda x, s: _fp8_quantize.quantize_v_kernel_layout(
+                            x, _fp8_quantize.mean_over_keys(x)))):
         many = jax.jit(lambda xs, s, fn=fn: [fn(x, s) for x in xs])
         t = _bench.median_seconds(many, copies, signs, min_time=min_time) / PART_COPIES
         row[f"{name}_us"] = t * 1e6

@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_fa3
 from jax_fa3 import _bench
 from jax_fa3 import ring as ring_module
-from jax_fa3.sharding import shard_map
+from jax_fa3._partitioning import shard_map
 
 
 def _loss_grad(attention):
@@ -207,7 +207,7 @@ def main():
              args.check_seqlen)
   meta = dict(date=datetime.date.today().isoformat(), jax=jax.__version__,
               device=jax.devices()[0].device_kind, python=platform.python_version(),
-              backward_kernel=jax_fa3._ops.backward_kernel_enabled())
+              backward_kernel=jax_fa3._local_attention.backward_kernel_enabled())
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(meta=meta, rows=rows), f, indent=1)

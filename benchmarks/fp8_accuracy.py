@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_fa3  # noqa: E402
-from jax_fa3 import fp8, reference  # noqa: E402
+from jax_fa3 import _fp8_forward, _fp8_quantize, fp8, reference  # noqa: E402
 from jax_fa3.hadamard import hadamard_transform  # noqa: E402
 
 PAPER = {"fp16": 1.9e-4, "fp8_baseline": 2.4e-2, "fa3_fp8": 9.1e-3}
@@ -61,10 +61,10 @@ def outlier_inputs(seed, b, s, h, d, outlier_prob=1e-3, outlier_std=10.0, v_mean
 def quantize_per_tensor(x, block_size):
   """e4m3 values with one scale for the whole tensor, laid out as quantize_fp8's (b, h, n_blocks)."""
   xf = x.astype(jnp.float32)
-  scale = fp8._scale_from_amax(jnp.max(jnp.abs(xf)))
+  scale = _fp8_quantize.scale_from_amax(jnp.max(jnp.abs(xf)))
   b, s, h, _ = x.shape
   n = 1 if block_size is None else -(-s // block_size)
-  return fp8._to_e4m3(xf / scale), jnp.full((b, h, n), scale, jnp.float32)
+  return _fp8_quantize.to_e4m3(xf / scale), jnp.full((b, h, n), scale, jnp.float32)
 
 
 def run_method(method, q, k, v, *, causal, signs, block_size=64):
@@ -114,7 +114,7 @@ def main():
   parser.add_argument("--json", default="fp8_accuracy.json")
   args = parser.parse_args()
 
-  backend = "kernels" if fp8._kernel_unavailable_reason() is None else "pure-JAX emulation"
+  backend = "kernels" if _fp8_forward.kernel_unavailable_reason() is None else "pure-JAX emulation"
   print(f"FP8 attention accuracy (FA3 Table 3): b={args.batch} h={args.heads} s={args.seqlen}, "
         f"fp8 path: {backend}, jax {jax.__version__} on {jax.devices()[0].platform}")
   print("inputs N(0,1) + N(0, var 100)·Bernoulli(0.001), bf16; RMSE vs float64 attention"

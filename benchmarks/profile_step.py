@@ -33,15 +33,15 @@ def main():
   do = jax.random.normal(jax.random.PRNGKey(1), q.shape, jnp.float32).astype(jnp.bfloat16)
   attention = lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=args.causal)
   if args.direction == "fp8":
-    from jax_fa3 import fp8  # noqa: PLC0415
-    from jax_fa3._config import AttentionConfig  # noqa: PLC0415
+    from jax_fa3 import _fp8_forward, fp8  # noqa: PLC0415
+    from jax_fa3._config import AttentionConfig, Fp8Config  # noqa: PLC0415
     q8, qs = fp8.quantize_fp8(q, block_size=64)
     k8, ks = fp8.quantize_fp8(k, block_size=64)
     v8, vs = fp8.quantize_fp8(v, block_size=None)
     att = AttentionConfig(softmax_scale=d ** -0.5, window_left=-1,
                           window_right=0 if args.causal else -1)
-    cfg = fp8.Fp8Config(att, block_size=64, incoherent=False, return_lse=False)
-    run = lambda: fp8.fp8_forward(q8, k8, v8, qs, ks, vs[..., 0], cfg)[0]
+    cfg = Fp8Config(att, block_size=64, incoherent=False, return_lse=False)
+    run = lambda: _fp8_forward.fp8_forward(q8, k8, v8, qs, ks, vs[..., 0], cfg)[0]
   elif args.direction == "fwd":
     step = jax.jit(attention)
     run = lambda: step(q, k, v)

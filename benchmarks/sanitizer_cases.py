@@ -60,31 +60,31 @@ def run_case(d, dtype, b, s_q, s_k, h, h_k, causal, window, softcap, backward):
 
 
 def run_fp8_case(d, b, s_q, s_k, h, h_k, causal, window, block_size):
-  from jax_fa3 import fp8  # noqa: PLC0415
-  from jax_fa3._config import AttentionConfig  # noqa: PLC0415
+  from jax_fa3 import _fp8_emulation, _fp8_forward, _fp8_quantize, fp8  # noqa: PLC0415
+  from jax_fa3._config import AttentionConfig, Fp8Config  # noqa: PLC0415
   keys = jax.random.split(jax.random.PRNGKey(d + s_q + 1), 3)
   q = jax.random.normal(keys[0], (b, s_q, h, d), jnp.float32)
   k = jax.random.normal(keys[1], (b, s_k, h_k, d), jnp.float32)
   v = jax.random.normal(keys[2], (b, s_k, h_k, d), jnp.float32)
   q8, q_scale = fp8.quantize_fp8(q, block_size=block_size)
   k8, k_scale = fp8.quantize_fp8(k, block_size=block_size)
-  v_mean = fp8._v_mean(v)  # centred, as the call from floats does
+  v_mean = _fp8_quantize.mean_over_keys(v)  # centred, as the call from floats does
   v8, v_scale = fp8.quantize_fp8(v - v_mean[:, None], block_size=None)
   args = (q8, k8, v8, q_scale, k_scale, v_scale[..., 0], v_mean)
   dequant = lambda values, scales: fp8.dequantize_fp8(values, scales, block_size=block_size)
   att = AttentionConfig(softmax_scale=d**-0.5, window_left=window[0],
                         window_right=0 if causal else window[1])
-  cfg = fp8.Fp8Config(att, block_size=block_size, incoherent=False, return_lse=False,
+  cfg = Fp8Config(att, block_size=block_size, incoherent=False, return_lse=False,
                       tile_k=128)  # the kernels' kBlockN, every bucket
-  out, _ = jax.jit(lambda *a: fp8.fp8_forward(*a[:6], cfg, v_mean=a[6]))(*args)
+  out, _ = jax.jit(lambda *a: _fp8_forward.fp8_forward(*a[:6], cfg, v_mean=a[6]))(*args)
   cpu = jax.devices("cpu")[0]
   with jax.default_device(cpu):
-    emu, _ = jax.jit(lambda *a: fp8._emulated_forward(*a[:6], cfg, v_mean=a[6]))(
+    emu, _ = jax.jit(lambda *a: _fp8_emulation.emulated_forward(*a[:6], cfg, v_mean=a[6]))(
         *[jax.device_put(x, cpu) for x in args])
   # The fused rotate + quantize pass (quantize_fp8 above ran it unrotated) against the XLA path.
   signs = jax.random.rademacher(keys[0], (d,), dtype=jnp.float32)
-  fused = jax.jit(lambda x: fp8._rotate_quantize(x, signs, True, block_size))(q)
-  xla = jax.jit(lambda x: fp8._xla_rotate_quantize(x, signs, True, block_size))(q)
+  fused = jax.jit(lambda x: _fp8_quantize.rotate_quantize(x, signs, True, block_size))(q)
+  xla = jax.jit(lambda x: _fp8_quantize.xla_rotate_quantize(x, signs, True, block_size))(q)
   # The user's call from floats: q/k rotated and quantized in one pass, v quantized straight into
   # the kernel's V layout (keys_transposed), the kernel with v_transposed; against the emulation.
   floats = [x.astype(jnp.bfloat16) for x in (q, k, v)]

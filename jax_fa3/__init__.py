@@ -8,9 +8,8 @@ from jax_fa3._ffi import build_config, kernels_available, kernels_unavailable_re
 from jax_fa3.attention import flash_attention
 from jax_fa3.fp8 import dequantize_fp8, flash_attention_fp8, quantize_fp8
 from jax_fa3.hadamard import hadamard_transform
-from jax_fa3.ring import ring_attention
-from jax_fa3.sharding import (sequence_parallel_attention, zigzag_indices, zigzag_permute,
-                              zigzag_unpermute)
+from jax_fa3.ring import (ring_attention, sequence_parallel_attention, zigzag_indices,
+                          zigzag_permute, zigzag_unpermute)
 
 __all__ = [
     "build_config",

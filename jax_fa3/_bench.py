@@ -87,8 +87,9 @@ def host_reference(q, k, v, cfg, dout=None):
   """The fp32 reference on the host CPU: (out, lse) and, given dout, also (dq, dk, dv) (else None).
 
   Kernel tests and sanitizer runs keep XLA's own work off the GPU: there XLA autotunes each new
-  shape's GEMMs (a 70 s stall was seen in a test run) and, under compute-sanitizer, its compiler
-  crashed. Only the kernels under test need the GPU; their results come over for the comparison.
+  shape's GEMMs (a 70 s stall in one test run, H200, 2026-11-30) and, under compute-sanitizer, its
+  compiler crashed. Only the kernels under test need the GPU; their results come over for the
+  comparison.
   """
   cpu = jax.devices("cpu")[0]
   f32 = lambda x: jax.device_put(x, cpu).astype(jnp.float32)

@@ -1,4 +1,5 @@
-"""The static (hashable) description of one attention call, shared by every layer below the API."""
+"""The static (hashable) descriptions of one attention call (bf16/fp16/fp32, and fp8), shared by
+every layer below the API."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,3 +26,31 @@ class AttentionConfig:
     """Keyword arguments of the reference implementation."""
     return dict(softmax_scale=self.softmax_scale, window_left=self.window_left,
                 window_right=self.window_right, softcap=self.softcap)
+
+
+DEFAULT_BLOCK_SIZE = 64  # fp8: tokens per q/k quantization scale
+EMULATION_TILE_K = 128  # fp8: keys per tile of the emulation's online softmax (kernel: kBlockN)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+  """Static options of one fp8 attention call (hashable: a custom_vjp nondiff argument)."""
+
+  attention: AttentionConfig
+  block_size: int = DEFAULT_BLOCK_SIZE
+  incoherent: bool = True
+  return_lse: bool = False
+  tile_k: int = EMULATION_TILE_K
+  # On the GPU, v's quantization pass writes the kernel's transposed V layout itself (no V
+  # pre-pass inside the kernel call). False: quantize v as is and let the kernel transpose it
+  # (what pre-quantized inputs get); benchmarks time both.
+  transpose_v_in_quantize: bool = True
+
+  # The attention options the partitioner's plan reads (jax_fa3._partitioning.plan_partition).
+  @property
+  def window_left(self) -> int:
+    return self.attention.window_left
+
+  @property
+  def window_right(self) -> int:
+    return self.attention.window_right

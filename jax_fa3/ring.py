@@ -2,9 +2,10 @@
 
 Inside `shard_map` (or `pmap`) with the sequence axis of q, k and v split over `axis_name`, every
 device keeps its query block and passes its key/value block round the ring with `lax.ppermute`;
-each (query block, key/value block) pair runs the single-device attention (`_ops` local forward,
-which returns out and LSE) and partial results are merged by their LSE. The transfer of the next
-key/value block is issued before the current block is computed, so XLA can overlap the two.
+each (query block, key/value block) pair runs the single-device attention
+(`_local_attention.forward_local`, which returns out and LSE) and partial results are merged by
+their LSE. The transfer of the next key/value block is issued before the current block is
+computed, so XLA can overlap the two.
 
 The backward passes the key/value blocks round again together with their dK/dV accumulators and
 runs the single-device backward per pair with the *final* out and LSE, so that P = exp(S - LSE) and
@@ -18,6 +19,10 @@ queries, or all keys against the second half of the queries: the same work on ev
 
 Supported visibility: full (no window) and causal (with s_q == s_k); both with soft-capping and GQA.
 Sliding windows are not supported by the ring (the sharded-jit wrapper gathers instead).
+
+`ring_attention` runs inside `shard_map`/`pmap`; `sequence_parallel_attention` applies the
+`shard_map` itself to global arrays. Under a plain sharded `jit`, `jax_fa3.flash_attention` reaches
+the same ring through the partitioning rules (`jax_fa3._partitioning`) on contiguous blocks.
 """
 from __future__ import annotations
 
@@ -27,8 +32,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
+from jax_fa3 import _local_attention, _partitioning
 from jax_fa3._config import AttentionConfig
+from jax_fa3._validation import attention_config
 
 # ---------------------------------------------------------------------------------------------
 # Zig-zag token order
@@ -81,7 +89,7 @@ def _rotate(x, axis_name, n):
   return lax.ppermute(x, axis_name, perm=[(i, (i + 1) % n) for i in range(n)])
 
 
-def ring_supported(cfg: AttentionConfig, s_q: int, s_k: int) -> str | None:
+def ring_unsupported_reason(cfg: AttentionConfig, s_q: int, s_k: int) -> str | None:
   """None if the ring runs this configuration, else the reason it does not."""
   if cfg.window_left >= 0 or cfg.window_right > 0:
     return "ring attention supports full and causal attention, not sliding windows"
@@ -103,11 +111,6 @@ def _diagonal(cfg):
 def _earlier(step, index, n):
   """Whether the key/value block held at `step` (that of device index - step) precedes ours."""
   return (index - step) % n < index
-
-
-def _local_ops():
-  from jax_fa3 import _ops  # late: _ops routes through jax_fa3.sharding, which uses this module
-  return _ops.forward_local, _ops.backward_local
 
 
 def _stat_dtype(x):
@@ -132,7 +135,7 @@ def _merge(out, lse, block_out, block_lse):
 
 def _ring_setup(q, k, cfg: AttentionConfig, axis_name, zigzag: bool):
   """Checks a ring call; returns (ring size, this device's index, causal)."""
-  reason = ring_supported(cfg, q.shape[1], k.shape[1])
+  reason = ring_unsupported_reason(cfg, q.shape[1], k.shape[1])
   if reason:
     raise NotImplementedError(reason)
   _check_zigzag(zigzag, cfg.is_causal, q, k)
@@ -149,7 +152,7 @@ def ring_forward(q, k, v, cfg: AttentionConfig, axis_name, zigzag: bool = True,
   """
   n, index, causal = _ring_setup(q, k, cfg, axis_name, zigzag)
   if block_forward is None:
-    block_forward = _local_ops()[0]
+    block_forward = _local_attention.forward_local
   b, s_q, h, d = q.shape
   stat = _stat_dtype(q)
   half_q, half_k = s_q // 2, k.shape[1] // 2
@@ -210,7 +213,7 @@ def ring_backward(q, k, v, out, lse, dout, cfg: AttentionConfig, axis_name, zigz
   """
   n, index, causal = _ring_setup(q, k, cfg, axis_name, zigzag)
   if block_backward is None:
-    block_backward = _local_ops()[1]
+    block_backward = _local_attention.backward_local
   stat = _stat_dtype(q)
   half_q, half_k = q.shape[1] // 2, k.shape[1] // 2
   full = _full(cfg)
@@ -294,12 +297,45 @@ def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None, wind
   Returns:
     this device's block of the output, like q.
   """
-  from jax_fa3._validation import attention_config
   cfg = attention_config(q, k, v, softmax_scale=softmax_scale, causal=causal,
                          window_size=window_size, softcap=softcap, deterministic=deterministic)
-  reason = ring_supported(cfg, q.shape[1], k.shape[1])
+  reason = ring_unsupported_reason(cfg, q.shape[1], k.shape[1])
   if reason:
     raise NotImplementedError(reason)
   if isinstance(axis_name, list):
     axis_name = tuple(axis_name)
   return _ring_attention(q, k, v, cfg, axis_name, bool(zigzag))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sequence parallelism on global arrays
+# ---------------------------------------------------------------------------------------------
+
+def sequence_parallel_attention(q, k, v, *, seq_axis, mesh=None, batch_axis=None, head_axis=None,
+                                causal=False, softmax_scale=None, softcap=0.0, zigzag=False,
+                                deterministic=False):
+  """Ring attention over `seq_axis` for global (b, s, h, d) arrays, usable under plain `jit`.
+
+  Applies `shard_map` with q, k, v split as P(batch_axis, seq_axis, head_axis, None) and runs
+  `jax_fa3.ring_attention` inside; differentiable. `zigzag=True` declares that the sequence axis
+  of q, k, v is already in zig-zag order (`zigzag_permute(x, mesh.shape[seq_axis])`), which
+  balances causal work; the output is then in the same order. `mesh` defaults to the mesh set
+  with `jax.set_mesh` / `jax.sharding.use_mesh`.
+  """
+  if mesh is None:
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    mesh = get() if get is not None else None
+    if mesh is None or not getattr(mesh, "axis_names", ()):
+      raise ValueError("sequence_parallel_attention needs mesh= (or a mesh set with jax.set_mesh)")
+  spec = P(batch_axis, seq_axis, head_axis, None)
+
+  def body(q, k, v):
+    return ring_attention(q, k, v, axis_name=seq_axis, causal=causal, softmax_scale=softmax_scale,
+                          softcap=softcap, zigzag=zigzag, deterministic=deterministic)
+
+  explicit = _partitioning.explicit_mesh((q, k, v))
+  if explicit is not None:  # sharding in types: put the operands where shard_map expects them
+    q, k, v = (x if _partitioning.spec_axes(spec, 4) == have
+               else _partitioning.reshard(x, explicit[0], spec)
+               for x, have in zip((q, k, v), explicit[1]))
+  return _partitioning.shard_map(body, mesh, (spec, spec, spec), spec)(q, k, v)

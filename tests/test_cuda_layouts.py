@@ -75,9 +75,9 @@ def test_fp8_forward_p_v_layout_fact_holds_for_every_bucket(tmp_path):
   out = _compile_and_run(tmp_path, "check_fp8_layouts")
   assert out.count(": ok") == 4
   # Python's copy of the key permutation (the XLA fallback of the keys-transposed quantization).
-  from jax_fa3 import fp8  # noqa: PLC0415
+  from jax_fa3 import _fp8_quantize  # noqa: PLC0415
   table = next(line for line in out.splitlines() if line.startswith("key_of_slot:"))
-  assert tuple(int(x) for x in table.split(":")[1].split()) == fp8.KEY_OF_SLOT
+  assert tuple(int(x) for x in table.split(":")[1].split()) == _fp8_quantize.KEY_OF_SLOT
 
 
 def test_forward_tile_scheduler_covers_every_tile_once(tmp_path):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_fa3
-from jax_fa3 import fp8
+from jax_fa3 import _config, _fp8_emulation, _fp8_forward, _fp8_quantize
 from jax_fa3.fp8 import dequantize_fp8, flash_attention_fp8, quantize_fp8
 from oracle import attention_oracle
 
@@ -91,7 +91,7 @@ def _emulation_device():
 
 
 def _dense_emulation(q, k, v, *, softmax_scale, block_size, signs=None, window_right=-1,
-                     tile_k=None, margin=fp8.LAZY_MAX_MARGIN_LOG2):
+                     tile_k=None, margin=_fp8_emulation.LAZY_MAX_MARGIN_LOG2):
   """Independent NumPy/ml_dtypes model of the kernel's numerics: rotate, quantize, exact e4m3
   products, e4m3(2^6 · P), an online softmax over key tiles of tile_k (None: one tile, so the
   running max is the row max), last tile first, whose running max moves only when a tile's
@@ -116,7 +116,7 @@ def _dense_emulation(q, k, v, *, softmax_scale, block_size, signs=None, window_r
     q, k = (np.asarray(rotate(jnp.asarray(x))) for x in (q, k))
   q8, qs = quant(q, block_size)
   k8, ks = quant(k, block_size)
-  v_mean = v.mean(axis=1, dtype=np.float64).astype(np.float32)  # centred v (fp8.py, step 2)
+  v_mean = v.mean(axis=1, dtype=np.float64).astype(np.float32)  # centred v (_fp8_emulation.py)
   v8, vs = quant(v - v_mean[:, None], None)
   h, h_k = q.shape[2], k.shape[2]
   rep = lambda x: np.repeat(x, h // h_k, axis=2)
@@ -127,7 +127,7 @@ def _dense_emulation(q, k, v, *, softmax_scale, block_size, signs=None, window_r
   if window_right >= 0:
     scores = np.where(np.arange(s_k)[None] <= np.arange(s_q)[:, None] + s_k - s_q + window_right,
                       scores, -np.inf)
-  offset = 2.0 ** fp8.P_OFFSET_LOG2
+  offset = 2.0 ** _fp8_emulation.P_OFFSET_LOG2
   tile_k = s_k if tile_k is None else tile_k
   scores = scores * np.log2(np.e)  # the kernel's exp2 domain
   row_max = np.full(scores.shape[:-1], -np.inf)
@@ -175,15 +175,15 @@ def test_emulation_lazy_max_matches_tiled_model():
   k = jnp.asarray(np.asarray(k) * growth, jnp.float32)
   with _emulation_device():
     out = np.asarray(flash_attention_fp8(q, k, v, incoherent=False, block_size=16), np.float64)
-  kwargs = dict(softmax_scale=32**-0.5, block_size=16, tile_k=fp8.EMULATION_TILE_K)
+  kwargs = dict(softmax_scale=32**-0.5, block_size=16, tile_k=_config.EMULATION_TILE_K)
   lazy = _dense_emulation(q, k, v, **kwargs)
   exact = _dense_emulation(q, k, v, **kwargs, margin=0.0)
   # The model's max moved in some rows and stayed in others (between 0 and the margin).
   scores = np.einsum("bqhd,bkhd->bhqk", *_f64(q, k)) * 32**-0.5 * np.log2(np.e)
   first = scores[..., 256:].max(-1)
   jump = np.maximum(first, scores[..., 128:256].max(-1)) - first
-  assert np.sum((jump > 0) & (jump <= fp8.LAZY_MAX_MARGIN_LOG2)) > 10
-  assert np.sum(jump > fp8.LAZY_MAX_MARGIN_LOG2) > 10
+  assert np.sum((jump > 0) & (jump <= _fp8_emulation.LAZY_MAX_MARGIN_LOG2)) > 10
+  assert np.sum(jump > _fp8_emulation.LAZY_MAX_MARGIN_LOG2) > 10
   rms = np.sqrt(np.mean(lazy**2))
   assert _rmse(out, lazy) < 3e-3 * rms  # float32 vs float64, bf16 output rounding (~1e-3)
   assert _rmse(out, exact) > 3 * _rmse(out, lazy)
@@ -223,7 +223,7 @@ def test_empty_rows_and_output_dtypes():
 
 def test_v_is_centred_by_its_mean():
   """v less its mean over the keys is what gets quantized, and the mean comes back in the output
-  (fp8.py, step 2): V constant per (head, dim) returns exactly (its centred values are all zero);
+  (_fp8_emulation.py): V constant per (head, dim) returns exactly (its centred values are all zero);
   a V with a large mean keeps the relative accuracy of a zero-mean one against float64, and the
   rows that see no key stay 0."""
   q, k, _ = _normal(12, (1, 40, 2, 32), (1, 300, 1, 32), (1, 300, 1, 32))
@@ -379,14 +379,14 @@ def test_keys_transposed_layout():
   """The fp8 kernel's V layout (b, h, d, s_pad): slot c of each 32-key group holds key
   KEY_OF_SLOT[c] (a permutation), zeros past s. The CUDA pass's keys-transposed mode is compared
   with this function bit for bit on the GPU (tests/test_gpu_rotate_quantize.py)."""
-  assert sorted(fp8.KEY_OF_SLOT) == list(range(32))
+  assert sorted(_fp8_quantize.KEY_OF_SLOT) == list(range(32))
   b, s, h, d = 2, 77, 3, 32
   values, _ = quantize_fp8(jax.random.normal(jax.random.PRNGKey(0), (b, s, h, d)), block_size=None)
-  vt = np.asarray(fp8._keys_transposed(values).astype(jnp.float32))
+  vt = np.asarray(_fp8_quantize.kernel_v_layout(values).astype(jnp.float32))
   assert vt.shape == (b, h, d, 96)
   v = np.asarray(values.astype(jnp.float32))
   for slot in range(96):
-    key = 32 * (slot // 32) + fp8.KEY_OF_SLOT[slot % 32]
+    key = 32 * (slot // 32) + _fp8_quantize.KEY_OF_SLOT[slot % 32]
     want = v[:, key] if key < s else np.zeros((b, h, d))
     np.testing.assert_array_equal(vt[..., slot], want)
 
@@ -459,7 +459,7 @@ def test_quantize_bad_inputs():
 
 
 def test_reports_emulation_path():
-  assert fp8._kernel_unavailable_reason() is not None or jax_fa3.kernels_available()
+  assert _fp8_forward.kernel_unavailable_reason() is not None or jax_fa3.kernels_available()
 
 
 # Workspace = b·h_k·s_pad·(d if V is transposed by the kernel else 0, + 4 for the per-key k
@@ -478,12 +478,12 @@ def test_reports_emulation_path():
     (1, 1, 1, 1, 1, 256, False, True, 32 * 4)])
 def test_kernel_workspace_formula(b, s_q, s_k, h, h_k, d, masked, v_transposed, expected):
   # The size lives in C++ only (flash_fwd_fp8_workspace_bytes, which the handler checks the
-  # buffer against and fp8._kernel_forward asks for); this pins it to the documented formula
+  # buffer against and _fp8_forward.kernel_forward asks for); this pins it to the documented formula
   # (docs/CONTRACTS.md) wherever the extension is built, GPU or not.
   from jax_fa3 import _ffi  # noqa: PLC0415
   if _ffi._extension()[0] is None:
     pytest.skip(f"CUDA extension not built: {_ffi._extension()[1]}")
-  if fp8._kernel_bucket(d) is None:
+  if _fp8_forward.kernel_bucket(d) is None:
     pytest.skip(f"no fp8 kernel for head dim {d} in this build")
   assert _ffi.flash_fwd_fp8_workspace_bytes(b, s_q, s_k, h, h_k, d, masked,
                                             v_transposed) == expected
@@ -502,7 +502,7 @@ def test_gpu_program_lowers_on_cpu(monkeypatch):
   monkeypatch.setattr(_ffi, "ensure_registered", lambda: None)
   monkeypatch.setattr(_ffi, "build_config", lambda: {"head_dims": ("64", "128", "256")})
   checks = [jax.export.DisabledSafetyCheck.custom_call(t)
-            for t in (fp8.ROTATE_QUANTIZE_TARGET, fp8.KERNEL_TARGET)]
+            for t in (_fp8_quantize.ROTATE_QUANTIZE_TARGET, _fp8_forward.KERNEL_TARGET)]
   q = jnp.ones((2, 300, 4, 128), jnp.bfloat16)
   kv = jnp.ones((2, 300, 2, 128), jnp.bfloat16)
 
@@ -513,8 +513,8 @@ def test_gpu_program_lowers_on_cpu(monkeypatch):
   text = lowered(lambda q, k, v: flash_attention_fp8(q, k, v, causal=True), q, kv, kv)
   calls = re.findall(r"custom_call @(\w+)\(.*?\{.*?mhlo.backend_config = \{(.*?)\}.*?-> \((.*?)\)",
                      text)
-  quantize = [c for c in calls if c[0] == fp8.ROTATE_QUANTIZE_TARGET]
-  kernel = [c for c in calls if c[0] == fp8.KERNEL_TARGET]
+  quantize = [c for c in calls if c[0] == _fp8_quantize.ROTATE_QUANTIZE_TARGET]
+  kernel = [c for c in calls if c[0] == _fp8_forward.KERNEL_TARGET]
   assert len(quantize) == 3 and len(kernel) == 1, calls
   assert sum("keys_transposed = true" in c[1] for c in quantize) == 1
   v_layout = next(c for c in quantize if "keys_transposed = true" in c[1])
@@ -527,5 +527,5 @@ def test_gpu_program_lowers_on_cpu(monkeypatch):
 
   stack = lambda x: jnp.stack([x, x, x])
   text = lowered(jax.vmap(lambda q, k, v: flash_attention_fp8(q, k, v)), *map(stack, (q, kv, kv)))
-  assert text.count(f"@{fp8.KERNEL_TARGET}(") == 1
+  assert text.count(f"@{_fp8_forward.KERNEL_TARGET}(") == 1
   assert "tensor<6x300x4x128xbf16>" in text  # the vmapped axis folded into the batch

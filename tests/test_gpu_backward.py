@@ -20,13 +20,14 @@ import jax_fa3
 from jax_fa3 import _bench
 from jax_fa3._validation import attention_config
 
-from jax_fa3 import _ops
+from jax_fa3 import _local_attention
 from kernel_build import skip_unless_compiled
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not _ops.backward_kernel_enabled(),
-                       reason=f"backward kernel switched off ({_ops.BACKWARD_KERNEL_ENV}=0)"),
+    pytest.mark.skipif(not _local_attention.backward_kernel_enabled(),
+                       reason="backward kernel switched off "
+                       f"({_local_attention.BACKWARD_KERNEL_ENV}=0)"),
 ]
 
 TOL = {jnp.bfloat16: 1.5e-2, jnp.float16: 3e-3}

@@ -1,8 +1,8 @@
 """The fp8 (e4m3) forward kernel `jax_fa3_flash_fwd_fp8` on Hopper (GPU only).
 
 Every case runs the kernel on pre-quantized inputs and compares it with
-1. the pure-JAX emulation of the same numerics (`jax_fa3.fp8._emulated_forward`, on the host CPU,
-   with the kernel's key tile width, so P is quantized at the same running max), and
+1. the pure-JAX emulation of the same numerics (`jax_fa3._fp8_emulation.emulated_forward`, on
+   the host CPU, with the kernel's key tile width, so P is quantized at the same running max), and
 2. a float64 reference of the unquantized attention (tests/oracle.py).
 
 Tolerances. The kernel and the emulation quantize the same e4m3 inputs and P the same way; they
@@ -34,8 +34,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jax_fa3 import fp8  # noqa: E402
-from jax_fa3._config import AttentionConfig  # noqa: E402
+from jax_fa3 import _fp8_emulation, _fp8_forward, _fp8_quantize, fp8  # noqa: E402
+from jax_fa3._config import AttentionConfig, Fp8Config  # noqa: E402
 from ffi_probe import ffi_error_message  # noqa: E402
 from oracle import attention_oracle  # noqa: E402
 
@@ -63,7 +63,7 @@ def _case(seed, b, s_q, s_k, h, h_k, d, block_size, v_mean=0.0):
   v = (v_mean + rng.standard_normal((b, s_k, h_k, d))).astype(np.float32)
   q8, q_scale = fp8.quantize_fp8(jnp.asarray(q), block_size=block_size)
   k8, k_scale = fp8.quantize_fp8(jnp.asarray(k), block_size=block_size)
-  mean = fp8._v_mean(jnp.asarray(v))
+  mean = _fp8_quantize.mean_over_keys(jnp.asarray(v))
   v8, v_scale = fp8.quantize_fp8(jnp.asarray(v) - mean[:, None], block_size=None)
   return (q, k, v), (q8, k8, v8, q_scale, k_scale, v_scale[..., 0], mean)
 
@@ -73,13 +73,13 @@ def _config(d, causal, window, block_size):
   if causal:
     right = 0
   att = AttentionConfig(softmax_scale=d**-0.5, window_left=left, window_right=right)
-  return fp8.Fp8Config(att, block_size=block_size, incoherent=False, return_lse=False,
+  return Fp8Config(att, block_size=block_size, incoherent=False, return_lse=False,
                        tile_k=KERNEL_BLOCK_N[_bucket(d)])
 
 
 @functools.partial(jax.jit, static_argnums=(6,))
 def _emulate(q8, k8, v8, q_scale, k_scale, v_scale, cfg, v_mean=None):
-  return fp8._emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg, v_mean=v_mean)
+  return _fp8_emulation.emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg, v_mean=v_mean)
 
 
 def _rms(x):
@@ -87,7 +87,7 @@ def _rms(x):
 
 
 # The kernel's LSE against the emulation's: both are the running max + ln of the row sum of the
-# e4m3-rounded weights e4m3(2^6 P) (fp8.py, steps 4-5). The kernel's exp2 (MUFU) and FFMA order
+# e4m3-rounded weights e4m3(2^6 P) (_fp8_emulation.py). The kernel's exp2 (MUFU) and FFMA order
 # put P a few float32 ulps (~1e-6 relative) from the emulation's exact exp2, so the two round a
 # weight to different e4m3 values only when it lies that close to a rounding midpoint (about 2e-5
 # of the weights, e4m3's steps being 2^-3 relative); such a flip moves the row sum by one e4m3
@@ -116,11 +116,11 @@ def _check(seed, b, s_q, s_k, h, h_k, d, *, causal=False, window=(-1, -1), block
   floats, quantized = _case(seed, b, s_q, s_k, h, h_k, d, block_size, v_mean)
   cfg = _config(d, causal, window, block_size)
   if v_transposed:
-    kernel = fp8._kernel_forward(cfg, v_transposed=True)
-    fn = jax.jit(lambda q8, k8, v8, *rest: kernel(q8, k8, fp8._keys_transposed(v8), *rest))
+    kernel = _fp8_forward.kernel_forward(cfg, v_transposed=True)
+    fn = jax.jit(lambda q8, k8, v8, *rest: kernel(q8, k8, _fp8_quantize.kernel_v_layout(v8), *rest))
   else:
-    fn = jax.jit(lambda *a: fp8.fp8_forward(*a[:6], cfg, v_mean=a[6]))
-  assert fp8.KERNEL_TARGET in fn.lower(*quantized).as_text(), "fp8 kernel not dispatched"
+    fn = jax.jit(lambda *a: _fp8_forward.fp8_forward(*a[:6], cfg, v_mean=a[6]))
+  assert _fp8_forward.KERNEL_TARGET in fn.lower(*quantized).as_text(), "fp8 kernel not dispatched"
   out, lse = fn(*quantized)
   out2, lse2 = fn(*quantized)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))  # deterministic
@@ -260,18 +260,18 @@ def test_fp8_from_floats_v_layout_from_quantize_equals_prepass(d, s):
   q, k, v = (jnp.asarray(rng.standard_normal((2, s, 4, d)), jnp.bfloat16) for _ in range(3))
   signs = jax.random.rademacher(jax.random.PRNGKey(0), (d,), dtype=jnp.float32)
   att = AttentionConfig(softmax_scale=d**-0.5, window_left=-1, window_right=0)
-  cfg = fp8.Fp8Config(att, block_size=64, incoherent=True, return_lse=True)
-  assert fp8._v_transposed_by_quantize(v, cfg)
+  cfg = Fp8Config(att, block_size=64, incoherent=True, return_lse=True)
+  assert _fp8_forward.v_transposed_by_quantize(v, cfg)
   hlo = jax.jit(lambda *a: fp8._fp8_from_float(*a, cfg)).lower(q, k, v, signs).as_text()
   assert "keys_transposed = true" in hlo and "v_transposed = true" in hlo, hlo[-2000:]
   out, lse = fp8._fp8_from_float(q, k, v, signs, cfg)
   prepass = dataclasses.replace(cfg, transpose_v_in_quantize=False)
-  assert not fp8._v_transposed_by_quantize(v, prepass)
-  _, _, v_mean = jax.jit(fp8._centre_v_kernel_layout)(v)
-  q8, q_scale = fp8._rotate_quantize(q, signs, True, 64)
-  k8, k_scale = fp8._rotate_quantize(k, signs, True, 64)
-  v8, v_scale = fp8._rotate_quantize(v, signs, False, None, v_mean)
-  out2, lse2 = fp8.fp8_forward(q8, k8, v8, q_scale, k_scale, v_scale[..., 0], prepass,
+  assert not _fp8_forward.v_transposed_by_quantize(v, prepass)
+  _, _, v_mean = jax.jit(_fp8_quantize.centre_v_kernel_layout)(v)
+  q8, q_scale = _fp8_quantize.rotate_quantize(q, signs, True, 64)
+  k8, k_scale = _fp8_quantize.rotate_quantize(k, signs, True, 64)
+  v8, v_scale = _fp8_quantize.rotate_quantize(v, signs, False, None, v_mean)
+  out2, lse2 = _fp8_forward.fp8_forward(q8, k8, v8, q_scale, k_scale, v_scale[..., 0], prepass,
                                v_mean=v_mean)
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
   np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out2, np.float32))
@@ -294,7 +294,7 @@ def test_fp8_scales_are_applied_per_row_and_column():
   v8, v_scale = fp8.quantize_fp8(jnp.asarray(v), block_size=None)
   quantized = (q8, k8, v8, q_scale, k_scale, v_scale[..., 0])
   cfg = _config(d, False, (-1, -1), bs)
-  out, lse = jax.jit(lambda *a: fp8.fp8_forward(*a, cfg))(*quantized)
+  out, lse = jax.jit(lambda *a: _fp8_forward.fp8_forward(*a, cfg))(*quantized)
   with jax.default_device(_cpu()):
     emu_out, emu_lse = _emulate(*[jax.device_put(x, _cpu()) for x in quantized], cfg)
   out, emu_out = np.asarray(out, np.float64), np.asarray(emu_out, np.float64)
@@ -307,7 +307,7 @@ def test_fp8_scales_are_applied_per_row_and_column():
 def test_fp8_v_with_a_mean_keeps_its_accuracy(d, s, causal):
   """The fp8 wgmma adds each P·V product into its fp32 accumulator with ~13 mantissa bits: with V
   ~ N(2, 1) uncentred, O came out 7% low at 4k keys and 15% at 8k (H200, twenty-first session).
-  Centred (fp8.py, step 2), V's terms cancel as zero-mean V's do, and the kernel stays within
+  Centred (_fp8_emulation.py), V's terms cancel as zero-mean V's do, and the kernel stays within
   _check's bounds of the emulation and the float64 reference, the mean added back in the
   epilogue (and in the tail split's merge: the non-causal cases split their last round)."""
   rel = _check(21 + d, 1, s, s, 4, 4, d, causal=causal, v_mean=2.0)
@@ -323,7 +323,7 @@ def test_fp8_constant_v_comes_back_exactly():
   level = rng.uniform(-3.0, 3.0, (1, 1, h, d))
   v = jnp.asarray(np.broadcast_to(level, (b, s, h, d)), jnp.bfloat16)
   fn = jax.jit(lambda q, k, v: fp8.flash_attention_fp8(q, k, v, causal=True))
-  assert fp8.KERNEL_TARGET in fn.lower(q, k, v).as_text()
+  assert _fp8_forward.KERNEL_TARGET in fn.lower(q, k, v).as_text()
   out = np.asarray(fn(q, k, v), np.float32)
   want = np.broadcast_to(np.asarray(v[:, :1], np.float32), out.shape)
   np.testing.assert_array_equal(out, want)
@@ -332,7 +332,7 @@ def test_fp8_constant_v_comes_back_exactly():
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_fp8_lazy_max_follows_the_emulation(d, monkeypatch):
   # Keys whose scores grow tile by tile (the kernel visits the last tile first), so that rows'
-  # maxima jump by amounts on both sides of the lazy margin (fp8.LAZY_MAX_MARGIN_LOG2): the
+  # maxima jump by amounts on both sides of the lazy margin (LAZY_MAX_MARGIN_LOG2): the
   # kernel must keep or move each row's max exactly as the emulation does. P is quantized
   # relative to that max, so an emulation with the exact running max is several times farther
   # from the kernel (CPU model, tests/test_fp8.py: ~9e-3 relative) than the lazy one.
@@ -348,12 +348,12 @@ def test_fp8_lazy_max_follows_the_emulation(d, monkeypatch):
   v8, v_scale = fp8.quantize_fp8(jnp.asarray(v), block_size=None)
   quantized = (q8, k8, v8, q_scale, k_scale, v_scale[..., 0])
   cfg = _config(d, False, (-1, -1), 64)
-  out = np.asarray(jax.jit(lambda *a: fp8.fp8_forward(*a, cfg))(*quantized)[0], np.float64)
+  out = np.asarray(jax.jit(lambda *a: _fp8_forward.fp8_forward(*a, cfg))(*quantized)[0], np.float64)
   on_cpu = [jax.device_put(x, _cpu()) for x in quantized]
   with jax.default_device(_cpu()):
-    lazy = np.asarray(fp8._emulated_forward(*on_cpu, cfg)[0], np.float64)
-    monkeypatch.setattr(fp8, "LAZY_MAX_MARGIN_LOG2", 0.0)  # not jitted: traced afresh
-    exact = np.asarray(fp8._emulated_forward(*on_cpu, cfg)[0], np.float64)
+    lazy = np.asarray(_fp8_emulation.emulated_forward(*on_cpu, cfg)[0], np.float64)
+    monkeypatch.setattr(_fp8_emulation, "LAZY_MAX_MARGIN_LOG2", 0.0)  # not jitted: traced afresh
+    exact = np.asarray(_fp8_emulation.emulated_forward(*on_cpu, cfg)[0], np.float64)
   to_lazy, to_exact = _rms(out - lazy), _rms(out - exact)
   assert to_lazy <= 1e-2 * _rms(lazy), (to_lazy, _rms(lazy))
   assert to_lazy < 0.5 * to_exact, (to_lazy, to_exact)
@@ -363,7 +363,7 @@ def test_fp8_public_api_uses_the_kernel():
   rng = np.random.default_rng(1)
   q, k, v = (jnp.asarray(rng.standard_normal((2, 300, 4, 128)), jnp.bfloat16) for _ in range(3))
   fn = jax.jit(lambda q, k, v: fp8.flash_attention_fp8(q, k, v, causal=True))
-  assert fp8.KERNEL_TARGET in fn.lower(q, k, v).as_text()
+  assert _fp8_forward.KERNEL_TARGET in fn.lower(q, k, v).as_text()
   out = fn(q, k, v)
   ref, _ = attention_oracle(*(np.asarray(x, np.float64) for x in (q, k, v)), softmax_scale=128**-0.5,
                             window_right=0)
@@ -375,8 +375,8 @@ def test_fp8_head_dim_without_kernel_falls_back_to_emulation():
   # d = 24 is not a multiple of 16 (fp8 TMA rows): Python routes it to the emulation.
   floats, quantized = _case(0, 1, 100, 100, 2, 2, 24, 64)
   cfg = _config(24, True, (-1, -1), 64)
-  fn = jax.jit(lambda *a: fp8.fp8_forward(*a[:6], cfg, v_mean=a[6]))
-  assert fp8.KERNEL_TARGET not in fn.lower(*quantized).as_text()
+  fn = jax.jit(lambda *a: _fp8_forward.fp8_forward(*a[:6], cfg, v_mean=a[6]))
+  assert _fp8_forward.KERNEL_TARGET not in fn.lower(*quantized).as_text()
   out, _ = fn(*quantized)
   assert np.all(np.isfinite(np.asarray(out, np.float32)))
 

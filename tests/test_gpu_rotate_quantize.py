@@ -15,7 +15,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jax_fa3 import fp8  # noqa: E402
+from jax_fa3 import _fp8_quantize, fp8  # noqa: E402
 from jax_fa3.hadamard import _hadamard_reference  # noqa: E402
 from ffi_probe import ffi_error_message  # noqa: E402
 
@@ -49,12 +49,12 @@ def _pure_jax(x, signs, rotate, block_size, mean=None):
       x = _hadamard_reference(x, jax.device_put(signs, cpu))
     if mean is not None:
       x = x - jax.device_put(mean, cpu)[:, None]
-    return fp8._quantize(x, block_size)
+    return _fp8_quantize.quantize_blocks(x, block_size)
 
 
 def _fused(x, signs, rotate, block_size):
-  fn = jax.jit(lambda x, s: fp8._rotate_quantize(x, s, rotate, block_size))
-  assert fp8.ROTATE_QUANTIZE_TARGET in fn.lower(x, signs).as_text()
+  fn = jax.jit(lambda x, s: _fp8_quantize.rotate_quantize(x, s, rotate, block_size))
+  assert _fp8_quantize.ROTATE_QUANTIZE_TARGET in fn.lower(x, signs).as_text()
   return fn(x, signs)
 
 
@@ -92,7 +92,7 @@ def _check_against_pure_jax(x, block_size):
   for rotate in (False, True):
     values, scales = _fused(x, signs, rotate, block_size)
     ref_values, ref_scales = _pure_jax(x, signs, rotate, block_size)
-    assert values.dtype == fp8.E4M3 and values.shape == x.shape
+    assert values.dtype == _fp8_quantize.E4M3 and values.shape == x.shape
     assert scales.shape == ref_scales.shape
     if not rotate:
       np.testing.assert_array_equal(np.asarray(scales), np.asarray(ref_scales))
@@ -104,7 +104,7 @@ def _check_against_pure_jax(x, block_size):
 
 
 def _fused_keys_transposed(x):
-  return jax.jit(fp8._quantize_v_kernel_layout)(x)
+  return jax.jit(_fp8_quantize.quantize_v_kernel_layout)(x)
 
 
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
@@ -115,33 +115,34 @@ def test_keys_transposed_is_the_plain_pass_in_the_kernel_layout(d, seqlen):
   x = _inputs(d + seqlen, (2, seqlen, 3, d), jnp.bfloat16)
   vt, scales = _fused_keys_transposed(x)
   values, ref_scales = _fused(x, _signs(d), False, None)
-  assert vt.dtype == fp8.E4M3 and vt.shape == (2, 3, d, -(-seqlen // 32) * 32)
+  assert vt.dtype == _fp8_quantize.E4M3 and vt.shape == (2, 3, d, -(-seqlen // 32) * 32)
   np.testing.assert_array_equal(np.asarray(scales), np.asarray(ref_scales)[..., 0])  # (b, h)
   np.testing.assert_array_equal(np.asarray(vt).view(np.uint8),
-                                np.asarray(fp8._keys_transposed(values)).view(np.uint8))
+                                np.asarray(_fp8_quantize.kernel_v_layout(values)).view(np.uint8))
 
 
 @pytest.mark.parametrize("d", [32, 96, 128, 256])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("seqlen", [1, 77, 300, 1000])
 def test_centred_v_matches_pure_jax(d, dtype, seqlen):
-  """v's centring (fp8.py, step 2): v less its mean over the keys, quantized with one scale per
+  """v's centring (_fp8_emulation.py): v less its mean over the keys, quantized with one scale per
   head, in the plain layout (the chunked passes) and in the kernel's: bit for bit XLA's
   quantization of the same float32 differences, amax and padding included (poisoned outputs)."""
   x = (_inputs(d + seqlen + 5, (2, seqlen, 3, d), jnp.float32) + 3.0).astype(dtype)
-  mean = jax.jit(fp8._v_mean)(x)
+  mean = jax.jit(_fp8_quantize.mean_over_keys)(x)
   assert float(jnp.mean(mean)) > 2.0  # a real shift (the case the centring is for)
   ref_values, ref_scales = _pure_jax(x, None, False, None, mean)
-  fn = jax.jit(lambda x, m: fp8._rotate_quantize(x, _signs(d), False, None, m))
-  assert fp8.ROTATE_QUANTIZE_TARGET in fn.lower(x, mean).as_text()
+  fn = jax.jit(lambda x, m: _fp8_quantize.rotate_quantize(x, _signs(d), False, None, m))
+  assert _fp8_quantize.ROTATE_QUANTIZE_TARGET in fn.lower(x, mean).as_text()
   values, scales = fn(x, mean)
   np.testing.assert_array_equal(np.asarray(scales), np.asarray(ref_scales))
   np.testing.assert_array_equal(np.asarray(values).view(np.uint8),
                                 np.asarray(ref_values).view(np.uint8))
-  vt, vt_scales = jax.jit(fp8._quantize_v_kernel_layout)(x, mean)
+  vt, vt_scales = jax.jit(_fp8_quantize.quantize_v_kernel_layout)(x, mean)
   np.testing.assert_array_equal(np.asarray(vt_scales), np.asarray(ref_scales)[..., 0])
   np.testing.assert_array_equal(np.asarray(vt).view(np.uint8),
-                                np.asarray(fp8._keys_transposed(ref_values)).view(np.uint8))
+                                np.asarray(_fp8_quantize.kernel_v_layout(ref_values))
+                                .view(np.uint8))
   # The centred values span e4m3's range on their own: amax(|v - mean|) is 448 · scale (one key
   # alone is its own mean: all zeros, scale 1).
   expected_amax = 448.0 if seqlen > 1 else 0.0
@@ -157,10 +158,10 @@ def test_centre_in_the_pass_matches_pure_jax(d, dtype, seqlen):
   bit XLA's quantization of v less that mean, in the kernel's layout (poisoned outputs); the
   scale from the column extremes is the amax of the differences exactly."""
   x = (_inputs(d + seqlen + 7, (2, seqlen, 3, d), jnp.float32) + 3.0).astype(dtype)
-  fn = jax.jit(fp8._centre_v_kernel_layout)
-  assert fp8.ROTATE_QUANTIZE_TARGET in fn.lower(x).as_text()
+  fn = jax.jit(_fp8_quantize.centre_v_kernel_layout)
+  assert _fp8_quantize.ROTATE_QUANTIZE_TARGET in fn.lower(x).as_text()
   vt, scales, mean = fn(x)
-  want = np.asarray(jax.jit(fp8._v_mean)(x), np.float64)
+  want = np.asarray(jax.jit(_fp8_quantize.mean_over_keys)(x), np.float64)
   # float32 sums of up to 4097 values near 3 in two orders: a few float32 ulps of the values
   # apart (absolute: a column whose mean is near 0 has lost its leading digits in either order).
   scale = float(jnp.max(jnp.abs(x.astype(jnp.float32))))
@@ -168,7 +169,8 @@ def test_centre_in_the_pass_matches_pure_jax(d, dtype, seqlen):
   ref_values, ref_scales = _pure_jax(x, None, False, None, mean)
   np.testing.assert_array_equal(np.asarray(scales), np.asarray(ref_scales)[..., 0])
   np.testing.assert_array_equal(np.asarray(vt).view(np.uint8),
-                                np.asarray(fp8._keys_transposed(ref_values)).view(np.uint8))
+                                np.asarray(_fp8_quantize.kernel_v_layout(ref_values))
+                                .view(np.uint8))
 
 
 def test_centre_in_the_pass_special_heads():
@@ -178,7 +180,7 @@ def test_centre_in_the_pass_special_heads():
   x[0, 17, 0, 5] = np.nan
   x[0, :, 1, :] = 1.25
   x = jnp.asarray(x)
-  vt, scales, mean = jax.jit(fp8._centre_v_kernel_layout)(x)
+  vt, scales, mean = jax.jit(_fp8_quantize.centre_v_kernel_layout)(x)
   mean, scales = np.asarray(mean), np.asarray(scales)
   assert np.isnan(mean[0, 0, 5]) and scales[0, 0] == 1.0
   np.testing.assert_array_equal(mean[0, 1], 1.25)
@@ -186,7 +188,8 @@ def test_centre_in_the_pass_special_heads():
   ref_values, ref_scales = _pure_jax(x[:, :, 2:], None, False, None, jnp.asarray(mean[:, 2:]))
   np.testing.assert_array_equal(scales[:, 2:], np.asarray(ref_scales)[..., 0])
   np.testing.assert_array_equal(np.asarray(vt)[:, 2:].view(np.uint8),
-                                np.asarray(fp8._keys_transposed(ref_values)).view(np.uint8))
+                                np.asarray(_fp8_quantize.kernel_v_layout(ref_values))
+                                .view(np.uint8))
 
 
 def test_keys_transposed_vmap_folds_into_batch():
@@ -201,9 +204,9 @@ def test_centre_in_the_pass_vmap_folds_into_batch():
   """Under vmap the centring pass runs once on the folded batch: each lane's values, scale and
   mean are those of its own call (the chunks never cross a (batch, head))."""
   x = (_inputs(11, (6, 300, 2, 64), jnp.bfloat16) + 1.5).reshape(3, 2, 300, 2, 64)
-  vt, scales, mean = jax.jit(jax.vmap(fp8._centre_v_kernel_layout))(x)
+  vt, scales, mean = jax.jit(jax.vmap(_fp8_quantize.centre_v_kernel_layout))(x)
   for i in range(3):
-    vt_i, scales_i, mean_i = jax.jit(fp8._centre_v_kernel_layout)(x[i])
+    vt_i, scales_i, mean_i = jax.jit(_fp8_quantize.centre_v_kernel_layout)(x[i])
     np.testing.assert_array_equal(np.asarray(vt[i]).view(np.uint8),
                                   np.asarray(vt_i).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(scales[i]), np.asarray(scales_i))
@@ -228,7 +231,7 @@ def test_special_blocks_match_pure_jax():
 def test_public_quantize_and_fp8_attention_use_the_fused_pass():
   x = _inputs(3, (2, 256, 4, 128), jnp.bfloat16)
   hlo = jax.jit(lambda x: fp8.quantize_fp8(x, block_size=64)).lower(x).as_text()
-  assert fp8.ROTATE_QUANTIZE_TARGET in hlo
+  assert _fp8_quantize.ROTATE_QUANTIZE_TARGET in hlo
   values, scales = fp8.quantize_fp8(x, block_size=64)
   ref_values, ref_scales = _pure_jax(x, None, False, 64)
   np.testing.assert_array_equal(np.asarray(scales), np.asarray(ref_scales))
@@ -236,13 +239,14 @@ def test_public_quantize_and_fp8_attention_use_the_fused_pass():
                                 np.asarray(ref_values).view(np.uint8))
   import jax_fa3  # noqa: PLC0415
   hlo = jax.jit(jax_fa3.flash_attention_fp8).lower(x, x, x).as_text()
-  assert hlo.count(fp8.ROTATE_QUANTIZE_TARGET) == 3  # q and k rotated, v (one scale per head)
+  # q and k rotated, v (one scale per head)
+  assert hlo.count(_fp8_quantize.ROTATE_QUANTIZE_TARGET) == 3
 
 
 def test_vmap_folds_into_batch():
   x = _inputs(5, (6, 130, 2, 64), jnp.bfloat16).reshape(3, 2, 130, 2, 64)
   signs = _signs(64)
-  fn = lambda x: fp8._rotate_quantize(x, signs, True, 64)
+  fn = lambda x: _fp8_quantize.rotate_quantize(x, signs, True, 64)
   values, scales = jax.jit(jax.vmap(fn))(x)
   for i in range(3):
     v_i, s_i = jax.jit(fn)(x[i])
@@ -250,7 +254,8 @@ def test_vmap_folds_into_batch():
     np.testing.assert_array_equal(np.asarray(scales[i]), np.asarray(s_i))
   # Per-lane signs take the XLA path lane by lane.
   lane_signs = jnp.stack([signs, -signs, signs])
-  per_lane = jax.jit(jax.vmap(lambda x, s: fp8._rotate_quantize(x, s, True, 64)))(x, lane_signs)
+  per_lane = jax.jit(jax.vmap(lambda x, s: _fp8_quantize.rotate_quantize(x, s, True, 64)))(
+      x, lane_signs)
   ref = _pure_jax(x[1], -signs, True, 64)
   # (the XLA path rotates with the CUDA Hadamard kernel, whose butterfly order differs)
   np.testing.assert_allclose(np.asarray(per_lane[1][1]), np.asarray(ref[1]), rtol=1e-5)

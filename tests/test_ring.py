@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_fa3
 from cpu_mesh import CPUS, make_mesh
-from jax_fa3 import ring, sharding
+from jax_fa3 import _partitioning, ring
 
 pytestmark = pytest.mark.skipif(len(CPUS) < 8, reason="needs 8 CPU devices (XLA_FLAGS="
                                 "--xla_force_host_platform_device_count=8 before JAX starts)")
@@ -65,7 +65,7 @@ def test_ring_attention_in_shard_map(causal, zigzag, softcap):
   attention = functools.partial(ring.ring_attention, axis_name="seq", causal=causal,
                                 softcap=softcap, zigzag=zigzag)
   spec = P("data", "seq")
-  fn = sharding.shard_map(vjp_of(attention), mesh, (spec,) * 4, (spec,) * 4)
+  fn = _partitioning.shard_map(vjp_of(attention), mesh, (spec,) * 4, (spec,) * 4)
   args = [jax.device_put(order(x), NamedSharding(mesh, spec)) for x in (q, k, v, ct)]
   compiled = jax.jit(fn).lower(*args).compile()
   got = [unorder(x) for x in compiled(*args)]
@@ -79,7 +79,7 @@ def test_ring_attention_in_shard_map(causal, zigzag, softcap):
 def test_sequence_parallel_attention_under_jit(kind):
   mesh = make_mesh((2, 4), ("data", "seq"), kind)
   q, k, v, ct = qkv()
-  attention = functools.partial(sharding.sequence_parallel_attention, mesh=mesh, seq_axis="seq",
+  attention = functools.partial(ring.sequence_parallel_attention, mesh=mesh, seq_axis="seq",
                                 batch_axis="data", causal=True, zigzag=True)
   spec = NamedSharding(mesh, P("data", "seq"))
   args = [jax.device_put(ring.zigzag_permute(x, 4), spec) for x in (q, k, v, ct)]

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_fa3
 from cpu_mesh import CPUS, make_mesh
-from jax_fa3 import sharding
+from jax_fa3 import _partitioning, attention
 from jax_fa3._config import AttentionConfig
 
 pytestmark = pytest.mark.skipif(len(CPUS) < 8, reason="needs 8 CPU devices (XLA_FLAGS="
@@ -112,7 +112,7 @@ def test_shard_map_over_flash_attention():
   args = qkv()
   fn = functools.partial(fwd_bwd, causal=True)
   spec = P("data", None, "model")
-  mapped = sharding.shard_map(fn, mesh, (spec,) * 4, (spec,) * 4)
+  mapped = _partitioning.shard_map(fn, mesh, (spec,) * 4, (spec,) * 4)
   got, hlo = run_sharded(mapped, mesh, [spec] * 4, *args)
   assert_close(got, on_one_device(fn, *args))
   assert all(n == 0 for n in collectives(hlo).values()), collectives(hlo)
@@ -221,15 +221,15 @@ def test_plan_per_axis():
   sizes = {"b": 2, "h": 4, "s": 2, "d": 2}
   cfg = AttentionConfig(softmax_scale=0.25, window_right=0)
   q, kv = (4, 64, 8, 16), (4, 64, 4, 16)
-  plan = lambda qs, ks, c=cfg, kvs=kv: sharding.plan_partition(
-      sharding.FORWARD, [q, kvs, kvs], [qs, ks, ks], sizes, c)
-  assert plan((("b",), (), ("h",), ()), (("b",), (), ("h",), ())) == sharding.Plan(
+  plan = lambda qs, ks, c=cfg, kvs=kv: _partitioning.plan_partition(
+      attention.FORWARD, [q, kvs, kvs], [qs, ks, ks], sizes, c)
+  assert plan((("b",), (), ("h",), ()), (("b",), (), ("h",), ())) == _partitioning.Plan(
       batch=("b",), heads=("h",), kv_heads=("h",))
-  assert plan(((), ("s",), (), ("d",)), ((), ("s",), (), ())) == sharding.Plan(
+  assert plan(((), ("s",), (), ("d",)), ((), ("s",), (), ())) == _partitioning.Plan(
       seq_q=("s",), seq_k=("s",), ring_axes=("s",))
   windowed = AttentionConfig(softmax_scale=0.25, window_left=4)
-  assert plan(((), ("s",), (), ()), ((), ("s",), (), ()), windowed) == sharding.Plan()
+  assert plan(((), ("s",), (), ()), ((), ("s",), (), ()), windowed) == _partitioning.Plan()
   full = AttentionConfig(softmax_scale=0.25)
-  assert plan(((), ("s",), (), ()), ((), (), (), ()), full) == sharding.Plan(seq_q=("s",))
+  assert plan(((), ("s",), (), ()), ((), (), (), ()), full) == _partitioning.Plan(seq_q=("s",))
   gqa = (4, 64, 2, 16)  # 4 head shards do not divide 2 kv heads: heads replicated
-  assert plan(((), (), ("h",), ()), ((), (), (), ()), cfg, gqa) == sharding.Plan()
+  assert plan(((), (), ("h",), ()), ((), (), (), ()), cfg, gqa) == _partitioning.Plan()

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import jax.numpy as jnp
 
 from jax_fa3.attention import flash_attention
+from jax_fa3.fp8 import flash_attention_fp8
 from jax_fa3._validation import check_bool, check_softcap, check_window
 
 _PARTIAL_HINT = "functools.partial(jax_fa3.flax.dot_product_attention, causal=True)"
@@ -65,19 +66,6 @@ def _promote(query, key, value, dtype, promote_dtype: Callable | None):
 def _to_rank4(x, batch_shape):
   """(batch..., length, heads, head_dim) -> (prod(batch), length, heads, head_dim)."""
   return jnp.reshape(x, (math.prod(batch_shape),) + x.shape[-3:])
-
-
-def _flash_attention_fp8():
-  # Imported lazily: jax_fa3.fp8 may land after this module, and fp8=False never needs it.
-  import jax_fa3
-  fn = getattr(jax_fa3, "flash_attention_fp8", None)
-  if fn is None:
-    try:
-      from jax_fa3.fp8 import flash_attention_fp8 as fn
-    except ImportError as err:
-      raise NotImplementedError(
-          "fp8=True needs jax_fa3.flash_attention_fp8, which this jax_fa3 lacks") from err
-  return fn
 
 
 def dot_product_attention(
@@ -166,7 +154,7 @@ def dot_product_attention(
 
   q4, k4, v4 = (_to_rank4(x, batch_shape) for x in (query, key, value))
   if fp8:
-    out = _flash_attention_fp8()(
+    out = flash_attention_fp8(
         q4, k4, v4, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         incoherent=check_bool("incoherent", incoherent), block_size=block_size, key=rotation_key,
         signs=signs)

@@ -1,8 +1,9 @@
-"""Partitioning rules for the attention ops, and sequence-parallel helpers.
+"""Partitioning rules for attention ops: how an op on sharded (b, s, h, d) arrays runs on each
+device's blocks.
 
 An XLA FFI call is opaque to the SPMD partitioner, which would all-gather its operands. Every
-attention op (forward, backward; any op whose operands and results are (b, s, h, d) arrays and
-(b, h, s) row statistics) is therefore wrapped here:
+attention op (`AttentionOp`: operands and results are (b, s, h, d) arrays and (b, h, s) row
+statistics) is therefore wrapped here:
 
 - Auto-mode meshes (and GSPMD): `jax.experimental.custom_partitioning` with a Shardy
   `sharding_rule` (and the GSPMD `infer_sharding_from_operands` callback for older JAX / Shardy
@@ -13,22 +14,23 @@ attention op (forward, backward; any op whose operands and results are (b, s, h,
                  is dropped (replicated: gathered). MQA (h_k = 1): query heads stay sharded, the
                  k/v head is replicated, and the backward sums dk/dv over the head shards (psum);
     head_dim  -> replicated (gathered): a score needs the whole of q.k; unavoidable with FA kernels;
-    sequence  -> q and k/v split over the same mesh axes: ring attention (`jax_fa3.ring`, K/V
-                 blocks passed round with collective-permute, contiguous blocks since the data
-                 is in natural order: causal work is then unbalanced, the last device doing n
-                 times the first's; `sequence_parallel_attention(..., zigzag=True)` on
-                 zig-zag-ordered data balances it); q split but k/v not (or a configuration the ring does not
-                 run: sliding windows, causal with s_q != s_k): non-windowed attention keeps q
-                 split and gathers k/v; windowed attention gathers the sequence.
+    sequence  -> q and k/v split over the same mesh axes: the op's ring body (ring attention,
+                 `jax_fa3.ring`, for the bf16 ops) on contiguous blocks, since the data is in
+                 natural order: causal work is then unbalanced, the last device doing n times the
+                 first's (`sequence_parallel_attention(..., zigzag=True)` on zig-zag-ordered data
+                 balances it); q split but k/v not, an op without a ring body, or a configuration
+                 its ring does not run (sliding windows, causal with s_q != s_k): non-windowed
+                 attention keeps q split and gathers k/v; windowed attention gathers the sequence.
   The same wrapper serves the kernel and the pure-JAX path, so CPU tests exercise it.
 - Explicit-mode meshes (`jax.make_mesh` default in current JAX): shardings are in the types, so the
   same per-axis plan is applied at trace time with `shard_map` (resharding operands first if the
   plan differs from their type).
 - Inside `shard_map`/`pmap` (all mesh axes manual) and on one device the op runs as is.
 
-The fp8 call from floats (`jax_fa3.fp8.FP8_FORWARD`, operands q, k, v and the rotation's signs)
-uses the same rules with `split_queries=False`: batch and heads stay local, a sequence split is
-gathered (its quantization blocks and v's per-head scale span the sequence).
+The ops themselves are declared by their users: the bf16 forward and backward in
+`jax_fa3.attention`, the fp8 call from floats in `jax_fa3.fp8` (with `split_queries=False`: batch
+and heads stay local, a sequence split is gathered, since its quantization blocks and v's per-head
+scale span the sequence).
 
 vmap composes: the partitioned op is wrapped in `_batching.fold_vmap_into_batch`.
 """
@@ -42,7 +44,6 @@ from typing import Callable
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_fa3 import ring as _ring
 from jax_fa3._batching import fold_vmap_into_batch
 from jax_fa3._config import AttentionConfig
 
@@ -62,14 +63,16 @@ class AttentionOp:
   """An attention op to partition.
 
   operands/results: layout names of LAYOUTS, one per array. `local(*arrays, cfg)` runs the op on
-  one device's blocks; `ring(*arrays, cfg, axis_name)`, if given, runs it on sequence blocks split
-  over `axis_name` (contiguous order); without it sequence sharding falls back to gathering.
+  one device's blocks. `ring(*arrays, cfg, axis_name)`, if given, runs it on sequence blocks split
+  over `axis_name` (contiguous order) for the calls where `ring_unsupported_reason(cfg, s_q, s_k)`
+  is None (given with `ring`); otherwise a sequence split falls back to gathering.
   """
   name: str
   operands: tuple
   results: tuple
   local: Callable
   ring: Callable | None = None
+  ring_unsupported_reason: Callable | None = None
   # Whether the gathering fallback may keep queries split along the sequence (unmasked calls).
   # False for ops whose numerics depend on where the sequence is cut (fp8: blocks of tokens
   # share a quantization scale): they gather the sequence instead.
@@ -106,7 +109,7 @@ def _axes(entry) -> tuple:
   return tuple(a for a in entry if isinstance(a, str))
 
 
-def _spec_axes(spec, ndim) -> tuple:
+def spec_axes(spec, ndim) -> tuple:
   entries = tuple(spec) + (None,) * (ndim - len(tuple(spec)))
   return tuple(_axes(e) for e in entries[:ndim])
 
@@ -140,7 +143,7 @@ def plan_partition(op: AttentionOp, shapes, specs, axis_sizes, cfg: AttentionCon
   seq_k = tuple(a for a in k_axes[1] if a not in used)
   n = math.prod(axis_sizes[a] for a in seq_q)
   if (op.ring is not None and seq_q and seq_q == seq_k and s_q % n == 0 and s_k % n == 0
-      and _ring.ring_supported(cfg, s_q, s_k) is None):
+      and op.ring_unsupported_reason(cfg, s_q, s_k) is None):
     return Plan(batch, heads, seq_q, seq_k, ring_axes=seq_q, kv_heads=kv_heads)
   # Fallback: gather k/v; queries stay split only when no mask depends on their position.
   unmasked = op.split_queries and cfg.window_left < 0 and cfg.window_right < 0
@@ -186,7 +189,7 @@ def _named_specs(arg_shapes):
     sharding = a.sharding
     ndim = len(a.shape)
     if isinstance(sharding, NamedSharding):
-      specs.append(_spec_axes(sharding.spec, ndim))
+      specs.append(spec_axes(sharding.spec, ndim))
     else:  # not expressible on the mesh: treat as replicated (the partitioner reshards)
       specs.append(((),) * ndim)
   return specs
@@ -261,7 +264,7 @@ def shard_map(f, mesh, in_specs, out_specs):
   return legacy(f, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
 
 
-def _explicit_mesh(arrays):
+def explicit_mesh(arrays):
   """(abstract mesh, per-array per-dim axes) if the arrays carry Explicit mesh axes, else None."""
   axis_type = getattr(getattr(jax.sharding, "AxisType", None), "Explicit", None)
   typeof = getattr(jax, "typeof", None)
@@ -274,7 +277,7 @@ def _explicit_mesh(arrays):
     return None
   if not any(t == axis_type for t in mesh.axis_types):
     return None
-  specs = [_spec_axes(a.sharding.spec, a.ndim) for a in avals]
+  specs = [spec_axes(a.sharding.spec, a.ndim) for a in avals]
   return mesh, specs
 
 
@@ -282,18 +285,18 @@ def _call_explicit(op, arrays, cfg, mesh, specs):
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   plan = plan_partition(op, [tuple(x.shape) for x in arrays], specs, sizes, cfg)
   in_specs = tuple(plan.spec(l) for l in op.operands)
-  arrays = [x if _spec_axes(s, x.ndim) == have else _reshard(x, mesh, s)
+  arrays = [x if spec_axes(s, x.ndim) == have else reshard(x, mesh, s)
             for x, s, have in zip(arrays, in_specs, specs)]
   body = lambda *a: _run(op, plan, cfg, a)
   out_specs = tuple(plan.spec(l) for l in op.results)
   return shard_map(body, mesh, in_specs, out_specs)(*arrays)
 
 
-def _reshard(x, mesh, spec):
+def reshard(x, mesh, spec):
   if hasattr(jax.sharding, "reshard"):
     return jax.sharding.reshard(x, NamedSharding(mesh, spec))
-  from jax.experimental.shard import reshard  # JAX < 0.7
-  return reshard(x, NamedSharding(mesh, spec))
+  from jax.experimental.shard import reshard as legacy  # JAX < 0.7
+  return legacy(x, NamedSharding(mesh, spec))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,7 +305,7 @@ def _reshard(x, mesh, spec):
 
 def call_partitioned(op: AttentionOp, arrays, cfg: AttentionConfig):
   """Runs `op` on `arrays` with the partitioning rules above; returns its results (a tuple)."""
-  explicit = _explicit_mesh(arrays)
+  explicit = explicit_mesh(arrays)
   if explicit is not None:
     return _call_explicit(op, list(arrays), cfg, *explicit)
   qi, ki = op.operands.index("q"), op.operands.index("kv")
@@ -310,88 +313,5 @@ def call_partitioned(op: AttentionOp, arrays, cfg: AttentionConfig):
   return tuple(_vmappable(op, arrays[qi].shape[2] // kv_heads, kv_heads, cfg)(*arrays))
 
 
-def _local_forward(q, k, v, cfg):
-  from jax_fa3 import _ops
-  return _ops.forward_local(q, k, v, cfg)
-
-
-def _local_backward(q, k, v, out, lse, dout, cfg):
-  from jax_fa3 import _ops
-  return _ops.backward_local(q, k, v, out, lse, dout, cfg)
-
-
-def _local_backward_dlse(q, k, v, out, lse, dout, dlse, cfg):
-  from jax_fa3 import _ops
-  return _ops.backward_local(q, k, v, out, lse, dout, cfg, dlse=dlse)
-
-
-def _ring_forward(q, k, v, *, cfg, axis_name):
-  return _ring.ring_forward(q, k, v, cfg, axis_name, zigzag=False)
-
-
-def _ring_backward(q, k, v, out, lse, dout, *, cfg, axis_name):
-  return _ring.ring_backward(q, k, v, out, lse, dout, cfg, axis_name, zigzag=False)
-
-
-def _ring_backward_dlse(q, k, v, out, lse, dout, dlse, *, cfg, axis_name):
-  return _ring.ring_backward(q, k, v, out, lse, dout, cfg, axis_name, zigzag=False, dlse=dlse)
-
-
-FORWARD = AttentionOp("flash_fwd", ("q", "kv", "kv"), ("q", "row"), _local_forward, _ring_forward)
-BACKWARD = AttentionOp("flash_bwd", ("q", "kv", "kv", "q", "row", "q"), ("q", "kv", "kv"),
-                       _local_backward, _ring_backward)
-BACKWARD_DLSE = AttentionOp("flash_bwd_dlse", ("q", "kv", "kv", "q", "row", "q", "row"),
-                            ("q", "kv", "kv"), _local_backward_dlse, _ring_backward_dlse)
-
-
-def partitioned_forward(q, k, v, cfg: AttentionConfig):
-  return call_partitioned(FORWARD, (q, k, v), cfg)
-
-
-def partitioned_backward(q, k, v, out, lse, dout, cfg: AttentionConfig, dlse=None):
-  if dlse is None:
-    return call_partitioned(BACKWARD, (q, k, v, out, lse, dout), cfg)
-  return call_partitioned(BACKWARD_DLSE, (q, k, v, out, lse, dout, dlse), cfg)
-
-
-# ---------------------------------------------------------------------------------------------
-# Sequence parallelism for the user
-# ---------------------------------------------------------------------------------------------
-
-def sequence_parallel_attention(q, k, v, *, seq_axis, mesh=None, batch_axis=None, head_axis=None,
-                                causal=False, softmax_scale=None, softcap=0.0, zigzag=False,
-                                deterministic=False):
-  """Ring attention over `seq_axis` for global (b, s, h, d) arrays, usable under plain `jit`.
-
-  Applies `shard_map` with q, k, v split as P(batch_axis, seq_axis, head_axis, None) and runs
-  `jax_fa3.ring_attention` inside; differentiable. `zigzag=True` declares that the sequence axis
-  of q, k, v is already in zig-zag order (`zigzag_permute(x, mesh.shape[seq_axis])`), which
-  balances causal work; the output is then in the same order. `mesh` defaults to the mesh set
-  with `jax.set_mesh` / `jax.sharding.use_mesh`.
-  """
-  if mesh is None:
-    get = getattr(jax.sharding, "get_abstract_mesh", None)
-    mesh = get() if get is not None else None
-    if mesh is None or not getattr(mesh, "axis_names", ()):
-      raise ValueError("sequence_parallel_attention needs mesh= (or a mesh set with jax.set_mesh)")
-  spec = P(batch_axis, seq_axis, head_axis, None)
-
-  def body(q, k, v):
-    return _ring.ring_attention(q, k, v, axis_name=seq_axis, causal=causal,
-                                softmax_scale=softmax_scale, softcap=softcap, zigzag=zigzag,
-                                deterministic=deterministic)
-
-  explicit = _explicit_mesh((q, k, v))
-  if explicit is not None:  # sharding in types: put the operands where shard_map expects them
-    q, k, v = (x if _spec_axes(spec, 4) == have else _reshard(x, explicit[0], spec)
-               for x, have in zip((q, k, v), explicit[1]))
-  return shard_map(body, mesh, (spec, spec, spec), spec)(q, k, v)
-
-
-zigzag_indices = _ring.zigzag_indices
-zigzag_permute = _ring.zigzag_permute
-zigzag_unpermute = _ring.zigzag_unpermute
-
-__all__ = ["AttentionOp", "Plan", "plan_partition", "call_partitioned", "partitioned_forward",
-           "partitioned_backward", "sequence_parallel_attention", "shard_map", "zigzag_indices",
-           "zigzag_permute", "zigzag_unpermute"]
+__all__ = ["LAYOUTS", "AttentionOp", "Plan", "plan_partition", "call_partitioned", "shard_map",
+           "explicit_mesh", "reshard", "spec_axes"]

@@ -1,7 +1,10 @@
-"""Attention forward/backward: the Hopper kernels where they apply, else the pure-JAX reference.
+"""Attention forward/backward on one device: the Hopper kernels where they apply, else the
+pure-JAX reference.
 
 Dispatch happens at trace time; `jax.lax.platform_dependent` keeps a computation lowered for the
-CPU on the reference path even on a machine with a Hopper GPU.
+CPU on the reference path even on a machine with a Hopper GPU. Sharded arrays reach these
+functions through the partitioning rules (`jax_fa3._partitioning`, wired up in
+`jax_fa3.attention`), which hand them one device's blocks.
 """
 from __future__ import annotations
 
@@ -108,7 +111,8 @@ def forward_local(q, k, v, cfg: AttentionConfig):
 
 
 def backward_local(q, k, v, out, lse, dout, cfg: AttentionConfig, dlse=None):
-  """On one device: (dq, dk, dv); see `backward`."""
+  """(dq, dk, dv) on one device given the forward's out and lse; `dlse` is the cotangent of a
+  returned lse."""
   def ref(q, k, v, out, lse, dout):
     if dlse is None:
       return reference.attention_backward(q, k, v, out, lse, dout, **cfg.kwargs())
@@ -119,17 +123,3 @@ def backward_local(q, k, v, out, lse, dout, cfg: AttentionConfig, dlse=None):
     return ref(q, k, v, out, lse, dout)
   return jax.lax.platform_dependent(q, k, v, out, lse, dout, cuda=_backward_kernel(cfg),
                                     default=ref)
-
-
-# Multi-device: the partitioning rules of jax_fa3.sharding (batch/head sharding local, sequence
-# sharding as a ring) wrap the single-device ops above, for the kernels and the reference alike.
-def forward(q, k, v, cfg: AttentionConfig):
-  """(out, lse): out like q, lse (batch, heads, seqlen_q) float32; partitioned under sharding."""
-  from jax_fa3 import sharding
-  return sharding.partitioned_forward(q, k, v, cfg)
-
-
-def backward(q, k, v, out, lse, dout, cfg: AttentionConfig, dlse=None):
-  """(dq, dk, dv) given the forward's out and lse; `dlse` is the cotangent of a returned lse."""
-  from jax_fa3 import sharding
-  return sharding.partitioned_backward(q, k, v, out, lse, dout, cfg, dlse=dlse)
