@@ -27,7 +27,7 @@ E4M3_MAX = 448.0
 FP8_INPUT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # The fused rotate + quantize pass (cuda/quantize/rotate_quantize.h): 32 elements of a row per
 # lane, head_dim a multiple of 32 up to 256, float32/bfloat16/float16 inputs, any block size.
-ROTATE_QUANTIZE_TARGET = "jax_fa3rotate_quantize_fp8"
+ROTATE_QUANTIZE_TARGET = "jax_fa3_rotate_quantize_fp8"
 ROTATE_QUANTIZE_MAX_DIM = 256
 
 _TINY = float(np.finfo(np.float32).tiny)
