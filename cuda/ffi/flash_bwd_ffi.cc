@@ -118,7 +118,8 @@ ffi::Error flash_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q,
   if (a.b > 0 && a.h > 0 && a.s_q > 0 && a.s_k > 0) {
     const auto ws = flash_bwd::workspace_layout(a.b, a.h, a.s_q, a.d, deterministic);
     // The workspace arrives as an extra (discarded) result that XLA allocates with the call's
-    // other temporaries: XLA's FFI ScratchAllocator returned nothing on the H200 (JAX 0.11.2).
+    // other temporaries: XLA's FFI ScratchAllocator returned nothing on the H200 (JAX 0.11.2,
+    // 2026-11-30).
     if (workspace->size_bytes() < ws.total) {
       return invalid(kOp, ": workspace must have at least ", ws.total, " bytes (see ",
                      "jax_fa3_flash_bwd_workspace_bytes), got ", workspace->size_bytes());

@@ -123,8 +123,6 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
   // JAX_FA3_FP8_TAIL_SPLIT=0 runs the last round's tiles whole (for timing the split's gain;
   // the outputs then differ only in the order the fp8 tensor cores accumulate O).
   params.tail_split = !ffi_util::env_flag_is_zero("JAX_FA3_FP8_TAIL_SPLIT");
-  // The workspace too: the kernel must not depend on what a previous op left in XLA's scratch
-  // (the tail split's tickets are cleared by its pre-kernel, tail_split.h).
   // The workspace is poisoned too: the kernel must not depend on what a previous op left in
   // XLA's scratch (the tail split's tickets are cleared by its pre-kernel, tail_split.h).
   return ffi_util::poison_and_launch(
