@@ -46,7 +46,8 @@ inline ffi::Error read_attention_dims(const char* op, const ffi::AnyBuffer& q,
                    a.s_q, ", s_k=", a.s_k);
   }
   const int64_t tiles = (a.s_q + 63) / 64;
-  if (tiles > 0 && (a.h > kMaxQueryTiles / tiles || a.b > kMaxQueryTiles / (tiles * a.h))) {
+  if (tiles > 0 && a.h > 0 &&
+      (a.h > kMaxQueryTiles / tiles || a.b > kMaxQueryTiles / (tiles * a.h))) {
     return invalid(op, ": ceil(s_q / 64) * h * b must be at most 2^29 (query tiles, counted in "
                    "int32), got q ", shape_str(qd));
   }
