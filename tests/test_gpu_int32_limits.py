@@ -1,4 +1,5 @@
-"""Tensors past 2^31 elements through every kernel (GPU only, ~5 GB per bf16 tensor).
+"""Where 32-bit arithmetic could break the kernels (GPU only): tensors past 2^31 elements through
+every kernel (~5 GB per bf16 tensor), and window bounds near 2^31.
 
 Each test runs the kernel on a tensor whose last elements sit beyond element 2^31, so an offset
 computed in 32 bits would read or write the wrong place, and compares the tail of the result with
@@ -119,3 +120,22 @@ def test_hadamard_past_2_31_elements():
   _assert_calls(fn, "jax_fa3_hadamard", x)
   y = jax.jit(fn)(x)
   _equal(y[-1000:], jax.jit(fn)(x[-1000:]))
+
+
+@pytest.mark.parametrize("window", [(2**31 - 1, 0), (2**31 - 1, 2**31 - 1), (5, 2**31 - 1)])
+def test_backward_window_past_every_key_is_unbounded(window):
+  """A bound of s_q + s_k or more is the unbounded side (-1); the backward's block ranges add it
+  to row offsets in int32, so the handler clamps it as the forward's launch does."""
+  q, k, v = (_normal(i, (2, 300, 4, 128)) for i in range(3))
+  skip_unless_compiled(q)
+  unbounded = tuple(-1 if w > 10**6 else w for w in window)
+
+  def grads(window):
+    loss = lambda q, k, v: jnp.sum(jax_fa3.flash_attention(
+        q, k, v, window_size=window, deterministic=True).astype(jnp.float32) ** 2)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+  _assert_calls(lambda q, k, v: jax.grad(lambda q: jnp.sum(jax_fa3.flash_attention(
+      q, k, v, window_size=window).astype(jnp.float32)))(q), "jax_fa3_flash_bwd", q, k, v)
+  for got, want in zip(grads(window), grads(unbounded)):
+    _equal(got, want)
