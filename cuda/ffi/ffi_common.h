@@ -1,10 +1,12 @@
-// Helpers shared by the XLA FFI handlers: dtype mapping and error formatting. Handlers know
-// nothing about Python; kernels know nothing about XLA — this file is the seam.
+// Helpers shared by the XLA FFI handlers: dtype mapping, error formatting and the buffer checks.
+// Handlers know nothing about Python; kernels know nothing about XLA — this file is the seam.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -61,6 +63,72 @@ ffi::Error invalid(const Parts&... parts) {
   return ffi::Error::InvalidArgument(s);
 }
 
+inline const char* dtype_label(ffi::DataType t) {
+  if (t == ffi::DataType::U8) return "uint8";
+  const auto d = to_dtype(t);
+  return d ? dtype_name(*d) : "an unsupported dtype";
+}
+
+// `op: name must be <want>, got <dtype>`.
+inline ffi::Error check_dtype(const char* op, const char* name, ffi::DataType have,
+                              ffi::DataType want) {
+  if (have == want) return ffi::Error::Success();
+  return invalid(op, ": ", name, " must be ", dtype_label(want), ", got ", dtype_label(have));
+}
+
+// A dimension the shape checks accept whatever its size (checked elsewhere, or free).
+constexpr int64_t kAnyDim = -1;
+
+// Whether dims has want's rank and each dimension equals its entry of want (kAnyDim: any size).
+inline bool dims_equal(ffi::AnyBuffer::Dimensions dims, std::initializer_list<int64_t> want) {
+  if (dims.size() != want.size()) return false;
+  size_t i = 0;
+  for (int64_t w : want) {
+    if (w != kAnyDim && dims[i] != w) return false;
+    ++i;
+  }
+  return true;
+}
+
+inline ffi::Error check_rank(const char* op, const char* name, const char* layout,
+                             ffi::AnyBuffer::Dimensions dims, size_t rank) {
+  if (dims.size() == rank) return ffi::Error::Success();
+  return invalid(op, ": ", name, " must have rank ", rank, " ", layout, ", got shape ",
+                 shape_str(dims));
+}
+
+// The shape check of every handler: "op: name must have <what> <want>, got <shape>", where what
+// says whose shape or which axes, e.g. "shape (b, h, s_q) =" or "q's shape"; a kAnyDim entry of
+// want prints as "_".
+inline ffi::Error check_shape(const char* op, const char* name, const char* what,
+                              ffi::AnyBuffer::Dimensions dims,
+                              std::initializer_list<int64_t> want) {
+  if (dims_equal(dims, want)) return ffi::Error::Success();
+  std::string expected = "(";
+  for (int64_t w : want) {
+    if (expected.size() > 1) expected += ", ";
+    expected += w == kAnyDim ? std::string("_") : std::to_string(w);
+  }
+  expected += want.size() == 1 ? ",)" : ")";
+  return invalid(op, ": ", name, " must have ", what, " ", expected, ", got ", shape_str(dims));
+}
+
+// check_dtype, then check_shape.
+inline ffi::Error check_buffer(const char* op, const char* name, const ffi::AnyBuffer& buf,
+                               ffi::DataType dtype, const char* what,
+                               std::initializer_list<int64_t> want) {
+  if (auto err = check_dtype(op, name, buf.element_type(), dtype); err.failure()) return err;
+  return check_shape(op, name, what, buf.dimensions(), want);
+}
+
+// Returns from the enclosing handler with the ffi::Error of `expr` when it is a failure.
+#define JAX_FA3_RETURN_IF_FFI_ERROR(expr)                                          \
+  do {                                                                             \
+    if (auto jax_fa3_ffi_err_ = (expr); jax_fa3_ffi_err_.failure()) {              \
+      return jax_fa3_ffi_err_;                                                     \
+    }                                                                              \
+  } while (0)
+
 inline ffi::Error from_cuda(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return ffi::Error::Success();
   return ffi::Error::Internal(std::string(what) + " failed: " + cudaGetErrorName(err) + ": " +
@@ -93,5 +161,20 @@ cudaError_t poison_if_requested(cudaStream_t stream, Results&... results) {
   (fill(results->untyped_data(), results->size_bytes()), ...);
   return err;
 }
+
+// The end of every handler: the test hook's poisoning of `results`, then `launch()` (returning a
+// cudaError_t), a failure of either reported under the op's name.
+template <typename Launch, typename... Results>
+ffi::Error poison_and_launch(const char* op, cudaStream_t stream, Launch&& launch,
+                             Results&... results) {
+  if (const cudaError_t err = poison_if_requested(stream, results...); err != cudaSuccess) {
+    const std::string what = std::string(op) + " output poisoning (JAX_FA3_DEBUG_POISON_OUTPUTS)";
+    return from_cuda(err, what.c_str());
+  }
+  return from_cuda(launch(), (std::string(op) + " kernel launch").c_str());
+}
+
+// The binding every handler starts from: the CUDA stream XLA runs it on.
+inline auto bind_on_stream() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
 
 }  // namespace jax_fa3::ffi_util

@@ -2,9 +2,9 @@
 // Contract: jax_fa3/fp8.py (module docstring, _kernel_forward). Validates every buffer and
 // attribute (errors name the argument), then runs the V transpose pre-pass (or, when V arrives
 // transposed, only the k scale expansion) and the kernel.
-#include <cmath>
 #include <cstdint>
 
+#include "ffi/attention_dims.h"
 #include "ffi/ffi_common.h"
 #include "ffi/handlers.h"
 #include "ffi/registry.h"
@@ -17,15 +17,6 @@ namespace ffi = xla::ffi;
 using ffi_util::invalid;
 using ffi_util::shape_str;
 
-bool dims_are(ffi::AnyBuffer::Dimensions dims, std::initializer_list<int64_t> expected) {
-  if (dims.size() != expected.size()) return false;
-  size_t i = 0;
-  for (int64_t e : expected) {
-    if (dims[i++] != e) return false;
-  }
-  return true;
-}
-
 ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                               ffi::AnyBuffer v, ffi::AnyBuffer q_scale, ffi::AnyBuffer k_scale,
                               ffi::AnyBuffer v_scale, ffi::AnyBuffer v_mean,
@@ -34,84 +25,50 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
                               ffi::Result<ffi::AnyBuffer> workspace, float softmax_scale,
                               int32_t window_left, int32_t window_right, int32_t block_size,
                               bool v_transposed) {
+  constexpr const char* kOp = "flash_fwd_fp8";
   constexpr auto kE4M3 = ffi::DataType::F8E4M3FN;
   constexpr auto kF32 = ffi::DataType::F32;
-  const auto qd = q.dimensions();
-  const auto kd = k.dimensions();
-  const auto vd = v.dimensions();
-  if (q.element_type() != kE4M3) return invalid("flash_fwd_fp8: q must be float8_e4m3fn");
-  if (k.element_type() != kE4M3) return invalid("flash_fwd_fp8: k must be float8_e4m3fn");
-  if (v.element_type() != kE4M3) return invalid("flash_fwd_fp8: v must be float8_e4m3fn");
-  if (qd.size() != 4) return invalid("flash_fwd_fp8: q must have rank 4 (b, s_q, h, d), got shape ", shape_str(qd));
-  if (kd.size() != 4) return invalid("flash_fwd_fp8: k must have rank 4 (b, s_k, h_k, d), got shape ", shape_str(kd));
-  if (vd.size() != 4) return invalid("flash_fwd_fp8: v must have rank 4 (b, s_k, h_k, d), got shape ", shape_str(vd));
-  const int64_t b = qd[0], s_q = qd[1], h = qd[2], d = qd[3];
-  const int64_t s_k = kd[1], h_k = kd[2];
-  if (kd[0] != b) return invalid("flash_fwd_fp8: k batch must equal q batch ", b, ", got ", kd[0]);
-  if (kd[3] != d) return invalid("flash_fwd_fp8: k head dim must equal q head dim ", d, ", got ", kd[3]);
-  if (v_transposed && !dims_are(vd, {kd[0], kd[2], kd[3], flash_fwd_fp8_key_pad(kd[1])})) {
-    return invalid("flash_fwd_fp8: v_transposed: v must be (b, h_k, d, s_k rounded up to 32) = (",
-                   kd[0], ", ", kd[2], ", ", kd[3], ", ", flash_fwd_fp8_key_pad(kd[1]), "), got ",
-                   shape_str(vd));
+  using ffi_util::check_buffer;
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_dtype(kOp, "q", q.element_type(), kE4M3));
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_dtype(kOp, "k", k.element_type(), kE4M3));
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_dtype(kOp, "v", v.element_type(), kE4M3));
+  ffi_util::AttentionDims a{};
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::read_attention_dims(kOp, q, k, a));
+  const int64_t s_pad = flash_fwd_fp8_key_pad(a.s_k);
+  if (v_transposed && !ffi_util::dims_equal(v.dimensions(), {a.b, a.h_k, a.d, s_pad})) {
+    return invalid(kOp, ": v_transposed: v must be (b, h_k, d, s_k rounded up to 32) = (", a.b,
+                   ", ", a.h_k, ", ", a.d, ", ", s_pad, "), got ", shape_str(v.dimensions()));
   }
-  if (!v_transposed && !dims_are(vd, {kd[0], kd[1], kd[2], kd[3]})) {
-    return invalid("flash_fwd_fp8: v must have k's shape ", shape_str(kd), ", got ", shape_str(vd));
+  if (!v_transposed) {
+    JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_shape(kOp, "v", "k's shape", v.dimensions(),
+                                                      {a.b, a.s_k, a.h_k, a.d}));
   }
-  if (h_k < 1 || h % h_k != 0) {
-    return invalid("flash_fwd_fp8: q heads must be a multiple of k/v heads (GQA), got h=", h,
-                   ", h_k=", h_k);
-  }
-  constexpr int64_t kMaxInt = INT32_MAX;
-  if (b > kMaxInt || s_q > kMaxInt || s_k > kMaxInt || h > kMaxInt ||
-      b * h_k * flash_fwd_fp8_key_pad(s_k) * (d + 4) > int64_t(1) << 46) {
-    return invalid("flash_fwd_fp8: every dimension must fit in int32, got q ", shape_str(qd),
-                   " and k ", shape_str(kd));
-  }
-  if (block_size < 1) return invalid("flash_fwd_fp8: block_size must be >= 1, got ", block_size);
-  if (!std::isfinite(softmax_scale) || softmax_scale <= 0.f) {
-    return invalid("flash_fwd_fp8: softmax_scale must be finite and > 0, got ", softmax_scale);
-  }
-  if (window_left < -1) return invalid("flash_fwd_fp8: window_left must be >= -1, got ", window_left);
-  if (window_right < -1) return invalid("flash_fwd_fp8: window_right must be >= -1, got ", window_right);
+  if (block_size < 1) return invalid(kOp, ": block_size must be >= 1, got ", block_size);
+  JAX_FA3_RETURN_IF_FFI_ERROR(
+      ffi_util::check_attention_scalars(kOp, softmax_scale, 0.f, window_left, window_right));
 
-  const int64_t nq = (s_q + block_size - 1) / block_size;
-  const int64_t nk = (s_k + block_size - 1) / block_size;
-  if (q_scale.element_type() != kF32) return invalid("flash_fwd_fp8: q_scale must be float32");
-  if (!dims_are(q_scale.dimensions(), {b, h, nq})) {
-    return invalid("flash_fwd_fp8: q_scale must have shape (b, h, ceil(s_q / block_size)) = (", b,
-                   ", ", h, ", ", nq, "), got ", shape_str(q_scale.dimensions()));
-  }
-  if (k_scale.element_type() != kF32) return invalid("flash_fwd_fp8: k_scale must be float32");
-  if (!dims_are(k_scale.dimensions(), {b, h_k, nk})) {
-    return invalid("flash_fwd_fp8: k_scale must have shape (b, h_k, ceil(s_k / block_size)) = (",
-                   b, ", ", h_k, ", ", nk, "), got ", shape_str(k_scale.dimensions()));
-  }
-  if (v_scale.element_type() != kF32) return invalid("flash_fwd_fp8: v_scale must be float32");
-  if (!dims_are(v_scale.dimensions(), {b, h_k})) {
-    return invalid("flash_fwd_fp8: v_scale must have shape (b, h_k) = (", b, ", ", h_k, "), got ",
-                   shape_str(v_scale.dimensions()));
-  }
-  if (v_mean.element_type() != kF32) return invalid("flash_fwd_fp8: v_mean must be float32");
-  if (!dims_are(v_mean.dimensions(), {b, h_k, d})) {
-    return invalid("flash_fwd_fp8: v_mean must have shape (b, h_k, d) = (", b, ", ", h_k, ", ", d,
-                   "), got ", shape_str(v_mean.dimensions()));
-  }
-  if (out->element_type() != ffi::DataType::BF16) return invalid("flash_fwd_fp8: out must be bfloat16");
-  if (!dims_are(out->dimensions(), {b, s_q, h, d})) {
-    return invalid("flash_fwd_fp8: out must have q's shape ", shape_str(qd), ", got ",
-                   shape_str(out->dimensions()));
-  }
-  if (lse->element_type() != kF32) return invalid("flash_fwd_fp8: lse must be float32");
-  if (!dims_are(lse->dimensions(), {b, h, s_q})) {
-    return invalid("flash_fwd_fp8: lse must have shape (b, h, s_q) = (", b, ", ", h, ", ", s_q,
-                   "), got ", shape_str(lse->dimensions()));
-  }
+  const int64_t nq = (a.s_q + block_size - 1) / block_size;
+  const int64_t nk = (a.s_k + block_size - 1) / block_size;
+  JAX_FA3_RETURN_IF_FFI_ERROR(check_buffer(kOp, "q_scale", q_scale, kF32,
+                                           "shape (b, h, ceil(s_q / block_size)) =",
+                                           {a.b, a.h, nq}));
+  JAX_FA3_RETURN_IF_FFI_ERROR(check_buffer(kOp, "k_scale", k_scale, kF32,
+                                           "shape (b, h_k, ceil(s_k / block_size)) =",
+                                           {a.b, a.h_k, nk}));
+  JAX_FA3_RETURN_IF_FFI_ERROR(
+      check_buffer(kOp, "v_scale", v_scale, kF32, "shape (b, h_k) =", {a.b, a.h_k}));
+  JAX_FA3_RETURN_IF_FFI_ERROR(
+      check_buffer(kOp, "v_mean", v_mean, kF32, "shape (b, h_k, d) =", {a.b, a.h_k, a.d}));
+  JAX_FA3_RETURN_IF_FFI_ERROR(check_buffer(kOp, "out", *out, ffi::DataType::BF16, "q's shape",
+                                           {a.b, a.s_q, a.h, a.d}));
+  JAX_FA3_RETURN_IF_FFI_ERROR(
+      check_buffer(kOp, "lse", *lse, kF32, "shape (b, h, s_q) =", {a.b, a.h, a.s_q}));
   const bool masked = window_left >= 0 || window_right >= 0;
   const size_t ws_bytes =
-      flash_fwd_fp8_workspace_bytes(b, s_q, s_k, h, h_k, d, masked, v_transposed);
+      flash_fwd_fp8_workspace_bytes(a.b, a.s_q, a.s_k, a.h, a.h_k, a.d, masked, v_transposed);
   if (workspace->element_type() != ffi::DataType::U8 || workspace->dimensions().size() != 1 ||
       workspace->size_bytes() < ws_bytes) {
-    return invalid("flash_fwd_fp8: workspace must be a uint8 vector of at least ", ws_bytes,
+    return invalid(kOp, ": workspace must be a uint8 vector of at least ", ws_bytes,
                    " bytes (", v_transposed ? "b*h_k*s_pad*4" : "b*h_k*s_pad*(d+4)",
                    " with s_pad = s_k rounded up to 32, plus the tail split's slots: "
                    "flash_fwd_fp8_workspace_bytes), got shape ",
@@ -119,9 +76,9 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
   }
 
   // After the shape checks, so a malformed call is reported as such first.
-  const int bucket = fp8_head_dim_bucket(static_cast<int>(d));
+  const int bucket = fp8_head_dim_bucket(static_cast<int>(a.d));
   if (bucket == 0) {
-    return invalid("flash_fwd_fp8: no fp8 kernel for head dim ", d,
+    return invalid(kOp, ": no fp8 kernel for head dim ", a.d,
                    " (needs a multiple of 16 up to a compiled bucket of 64/128/256; this build "
                    "has JAX_FA3_HEAD_DIMS with ",
 #ifdef JAX_FA3_HAS_HDIM64
@@ -136,6 +93,16 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
                    "of those)");
   }
 
+  // The V transpose pre-pass walks its tiles (128 keys x 128 dims of each (batch, kv head)) with
+  // an int32 index plus the grid size (fp8_launch.h, fp8_vt.h); double: the product of these
+  // sizes may not fit in int64.
+  if (double(a.b) * double(a.h_k) * double((s_pad + 127) / 128) * double((a.d + 127) / 128) >
+      double(int64_t(1) << 30)) {
+    return invalid(kOp, ": b * h_k * ceil(s_k / 128) * ceil(d / 128) (the V transpose's tiles) "
+                   "must be at most 2^30, got q ", shape_str(q.dimensions()), " and k ",
+                   shape_str(k.dimensions()));
+  }
+
   FlashFwdFp8Params params{};
   params.q = q.untyped_data();
   params.k = k.untyped_data();
@@ -148,12 +115,7 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
   params.lse = static_cast<float*>(lse->untyped_data());
   params.workspace = workspace->untyped_data();
   params.v_transposed = v_transposed;
-  params.b = static_cast<int>(b);
-  params.s_q = static_cast<int>(s_q);
-  params.s_k = static_cast<int>(s_k);
-  params.h = static_cast<int>(h);
-  params.h_k = static_cast<int>(h_k);
-  params.d = static_cast<int>(d);
+  ffi_util::set_dims(params, a);
   params.block_size = block_size;
   params.softmax_scale = softmax_scale;
   params.window_left = window_left;
@@ -161,13 +123,10 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
   // JAX_FA3_FP8_TAIL_SPLIT=0 runs the last round's tiles whole (for timing the split's gain;
   // the outputs then differ only in the order the fp8 tensor cores accumulate O).
   params.tail_split = !ffi_util::env_flag_is_zero("JAX_FA3_FP8_TAIL_SPLIT");
-  // The workspace too: the kernel must not depend on what a previous op left in XLA's scratch
-  // (the tail split's tickets are cleared by its pre-kernel, tail_split.h).
-  if (const cudaError_t err = ffi_util::poison_if_requested(stream, out, lse, workspace);
-      err != cudaSuccess) {
-    return ffi_util::from_cuda(err, "flash_fwd_fp8 output poisoning (JAX_FA3_DEBUG_POISON_OUTPUTS)");
-  }
-  return ffi_util::from_cuda(launch_flash_fwd_fp8(params, stream), "flash_fwd_fp8 kernel launch");
+  // The workspace is poisoned too: the kernel must not depend on what a previous op left in
+  // XLA's scratch (the tail split's tickets are cleared by its pre-kernel, tail_split.h).
+  return ffi_util::poison_and_launch(
+      kOp, stream, [&] { return launch_flash_fwd_fp8(params, stream); }, out, lse, workspace);
 }
 
 }  // namespace
@@ -181,8 +140,7 @@ extern "C" size_t jax_fa3_flash_fwd_fp8_workspace_bytes(int64_t b, int64_t s_q, 
 
 // Graph-capturable: no host synchronization, no allocation, no per-call host state.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashFwdFp8, jax_fa3::flash_fwd_fp8_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                              jax_fa3::ffi_util::bind_on_stream()
                                   .Arg<xla::ffi::AnyBuffer>()   // q8
                                   .Arg<xla::ffi::AnyBuffer>()   // k8
                                   .Arg<xla::ffi::AnyBuffer>()   // v8

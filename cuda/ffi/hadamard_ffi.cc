@@ -16,7 +16,8 @@ ffi::Error hadamard_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   if (dims.size() < 1) return invalid("hadamard_transform: x must have rank >= 1, got a scalar");
   const int64_t d = dims.back();
   if (d < 1 || d > kHadamardMaxDim) {
-    return invalid("hadamard_transform: last axis of x must be in [1, ", kHadamardMaxDim, "], got ", d);
+    return invalid("hadamard_transform: last axis of x must be in [1, ", kHadamardMaxDim,
+                   "], got ", d);
   }
   const auto dtype = ffi_util::to_dtype(x.element_type());
   if (!dtype || *dtype == DType::kFloat8E4M3) {
@@ -25,22 +26,22 @@ ffi::Error hadamard_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   if (y->element_type() != x.element_type() || y->element_count() != x.element_count()) {
     return invalid("hadamard_transform: output must match x in dtype and shape ", shape_str(dims));
   }
-  if (apply_signs && (signs.dimensions().size() != 1 || signs.dimensions()[0] != d)) {
-    return invalid("hadamard_transform: signs must have shape (", d, ",), got ",
-                   shape_str(signs.dimensions()));
+  if (apply_signs) {
+    JAX_FA3_RETURN_IF_FFI_ERROR(
+        ffi_util::check_shape("hadamard_transform", "signs", "shape", signs.dimensions(), {d}));
   }
   HadamardParams params{x.untyped_data(), apply_signs ? signs.typed_data() : nullptr,
                         y->untyped_data(), static_cast<int64_t>(x.element_count() / d),
                         static_cast<int>(d), *dtype};
-  return ffi_util::from_cuda(launch_hadamard(params, stream), "hadamard kernel launch");
+  return ffi_util::poison_and_launch(
+      "hadamard_transform", stream, [&] { return launch_hadamard(params, stream); }, y);
 }
 
 }  // namespace
 }  // namespace jax_fa3
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3Hadamard, jax_fa3::hadamard_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                              jax_fa3::ffi_util::bind_on_stream()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<bool>("apply_signs")

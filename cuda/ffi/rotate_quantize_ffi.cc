@@ -22,70 +22,62 @@ ffi::Error rotate_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buff
                                 ffi::Result<ffi::Buffer<ffi::F32>> scales,
                                 ffi::Result<ffi::Buffer<ffi::F32>> mean_out,
                                 ffi::Result<ffi::Buffer<ffi::F32>> workspace) {
-  constexpr const char* kWhat = "rotate_quantize_fp8: ";
+  constexpr const char* kOp = "rotate_quantize_fp8";
   const auto dims = x.dimensions();
   if (dims.size() != 4) {
-    return invalid(kWhat, "x must be (batch, seqlen, heads, head_dim), got shape ", shape_str(dims));
+    return invalid(kOp, ": x must be (batch, seqlen, heads, head_dim), got shape ",
+                   shape_str(dims));
   }
   const int64_t b = dims[0], s = dims[1], h = dims[2], d = dims[3];
   if (!rotate_quantize_supports_dim(d)) {
-    return invalid(kWhat, "head_dim must be a multiple of 32 in [32, ", kRotateQuantizeMaxDim,
+    return invalid(kOp, ": head_dim must be a multiple of 32 in [32, ", kRotateQuantizeMaxDim,
                    "], got ", d);
   }
   const auto dtype = ffi_util::to_dtype(x.element_type());
   if (!dtype || *dtype == DType::kFloat8E4M3) {
-    return invalid(kWhat, "x must be float32, bfloat16 or float16");
+    return invalid(kOp, ": x must be float32, bfloat16 or float16");
   }
-  if (block_size < 1) return invalid(kWhat, "block_size must be >= 1, got ", block_size);
+  if (block_size < 1) return invalid(kOp, ": block_size must be >= 1, got ", block_size);
   if (keys_transposed && block_size < s) {
-    return invalid(kWhat, "keys_transposed needs one block per head (block_size >= seqlen ", s,
+    return invalid(kOp, ": keys_transposed needs one block per head (block_size >= seqlen ", s,
                    "), got block_size ", block_size);
   }
   const int64_t s_pad = flash_fwd_fp8_key_pad(s);
   const auto value_dims = values->dimensions();
-  if (values->element_type() != ffi::DataType::F8E4M3FN || value_dims.size() != 4) {
-    return invalid(kWhat, "values must be a rank-4 float8_e4m3fn array");
-  }
-  if (keys_transposed && (value_dims[0] != b || value_dims[1] != h || value_dims[2] != d ||
-                          value_dims[3] != s_pad)) {
-    return invalid(kWhat, "keys-transposed values must have shape (batch, heads, head_dim, "
-                   "seqlen rounded up to 32) = (", b, ", ", h, ", ", d, ", ", s_pad, "), got ",
-                   shape_str(value_dims));
-  }
-  if (!keys_transposed && values->element_count() != x.element_count()) {
-    return invalid(kWhat, "values must be float8_e4m3fn of x's shape ", shape_str(dims));
+  JAX_FA3_RETURN_IF_FFI_ERROR(
+      ffi_util::check_dtype(kOp, "values", values->element_type(), ffi::DataType::F8E4M3FN));
+  if (keys_transposed) {
+    JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_shape(
+        kOp, "keys-transposed values",
+        "shape (batch, heads, head_dim, seqlen rounded up to 32) =", value_dims, {b, h, d, s_pad}));
+  } else {
+    JAX_FA3_RETURN_IF_FFI_ERROR(
+        ffi_util::check_shape(kOp, "values", "x's shape", value_dims, {b, s, h, d}));
   }
   const int64_t n_blocks = (s + block_size - 1) / block_size;
-  const auto scale_dims = scales->dimensions();
-  if (scale_dims.size() != 3 || scale_dims[0] != b || scale_dims[1] != h ||
-      scale_dims[2] != n_blocks) {
-    return invalid(kWhat, "scales must have shape (", b, ", ", h, ", ", n_blocks, "), got ",
-                   shape_str(scale_dims));
-  }
-  if (rotate && (signs.dimensions().size() != 1 || signs.dimensions()[0] != d)) {
-    return invalid(kWhat, "signs must have shape (", d, ",), got ", shape_str(signs.dimensions()));
+  JAX_FA3_RETURN_IF_FFI_ERROR(
+      ffi_util::check_shape(kOp, "scales", "shape", scales->dimensions(), {b, h, n_blocks}));
+  if (rotate) {
+    JAX_FA3_RETURN_IF_FFI_ERROR(
+        ffi_util::check_shape(kOp, "signs", "shape", signs.dimensions(), {d}));
   }
   const bool centred = mean.element_count() > 0;
-  if (centred && (mean.dimensions().size() != 3 || mean.dimensions()[0] != b ||
-                  mean.dimensions()[1] != h || mean.dimensions()[2] != d)) {
-    return invalid(kWhat, "mean must have shape (", b, ", ", h, ", ", d, ") (batch, heads, "
+  if (centred && !ffi_util::dims_equal(mean.dimensions(), {b, h, d})) {
+    return invalid(kOp, ": mean must have shape (", b, ", ", h, ", ", d, ") (batch, heads, "
                    "head_dim) or be empty, got ", shape_str(mean.dimensions()));
   }
   if (centre) {
-    if (centred) return invalid(kWhat, "centre takes no mean operand (it computes its own)");
-    if (rotate) return invalid(kWhat, "centre takes rotate = false (v's quantization)");
+    if (centred) return invalid(kOp, ": centre takes no mean operand (it computes its own)");
+    if (rotate) return invalid(kOp, ": centre takes rotate = false (v's quantization)");
     if (block_size < s) {
-      return invalid(kWhat, "centre needs one block per head (block_size >= seqlen ", s,
+      return invalid(kOp, ": centre needs one block per head (block_size >= seqlen ", s,
                      "), got block_size ", block_size);
     }
-    const auto mean_dims = mean_out->dimensions();
-    if (mean_dims.size() != 3 || mean_dims[0] != b || mean_dims[1] != h || mean_dims[2] != d) {
-      return invalid(kWhat, "mean_out must have shape (", b, ", ", h, ", ", d, "), got ",
-                     shape_str(mean_dims));
-    }
+    JAX_FA3_RETURN_IF_FFI_ERROR(
+        ffi_util::check_shape(kOp, "mean_out", "shape", mean_out->dimensions(), {b, h, d}));
     if (const int64_t need = rotate_quantize_centre_workspace_floats(b, s, h, d);
         workspace->element_count() < need) {
-      return invalid(kWhat, "workspace must hold ", need, " float32, got ",
+      return invalid(kOp, ": workspace must hold ", need, " float32, got ",
                      workspace->element_count());
     }
   }
@@ -98,22 +90,19 @@ ffi::Error rotate_quantize_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buff
     params.partials = workspace->typed_data();
   }
   if (const int64_t ctas = rotate_quantize_ctas(params); ctas > 0x7fffffff) {
-    return invalid(kWhat, "x is too large: ", ctas, " CTAs (batch * heads * token blocks) for a ",
+    return invalid(kOp, ": x is too large: ", ctas, " CTAs (batch * heads * token blocks) for a ",
                    "grid limit of 2^31 - 1");
   }
-  if (auto err = ffi_util::poison_if_requested(stream, values, scales, mean_out);
-      err != cudaSuccess) {
-    return ffi_util::from_cuda(err, "output poisoning");
-  }
-  return ffi_util::from_cuda(launch_rotate_quantize(params, stream), "rotate_quantize kernel launch");
+  return ffi_util::poison_and_launch(
+      kOp, stream, [&] { return launch_rotate_quantize(params, stream); }, values, scales,
+      mean_out);
 }
 
 }  // namespace
 }  // namespace jax_fa3
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3RotateQuantizeFp8, jax_fa3::rotate_quantize_impl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                              jax_fa3::ffi_util::bind_on_stream()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // signs
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // mean

@@ -42,7 +42,7 @@ struct BwdTraits {
   // __launch_bounds__(384, 1) makes ptxas allocate 168 registers per thread (65536 / 384 rounded
   // down to the allocation granule of 8), i.e. 168 * 384 = 64512, not 65536. setmaxnreg.inc
   // blocks until the pool can satisfy it, so an over-subscribed split deadlocks at kernel entry
-  // (was 32 / 240: 32*128 + 240*256 = 65536 > 64512, the hang seen on the H200).
+  // (32 / 240: 32*128 + 240*256 = 65536 > 64512 hung on the H200, 2026-11-30).
   // 24*128 + 240*256 = 64512: exactly the pool (FA3's and the forward's split).
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;

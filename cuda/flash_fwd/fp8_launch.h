@@ -91,7 +91,7 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   extra.k_col_scale = k_col;
   extra.v_scale = p.v_scale;
   extra.v_mean = p.v_mean;
-  extra.num_q_blocks = (p.s_q + p.block_size - 1) / p.block_size;
+  extra.num_q_blocks = static_cast<int>((int64_t(p.s_q) + p.block_size - 1) / p.block_size);
   extra.block_size = p.block_size;
   extra.s_pad = s_pad;
   extra.k_scale_grouped = p.block_size % kFp8KeyScaleGroup == 0;
@@ -131,7 +131,7 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   // the split tiles' tickets; the main kernel follows it on the stream.
   using SlotLayout = TailSlotLayout<kHeadDim, Traits::kBlockM>;
   int* tail_tickets = split > 0 ? SlotLayout::tickets(split_partials, split) : nullptr;
-  const int num_k_blocks = (p.s_k + p.block_size - 1) / p.block_size;
+  const int num_k_blocks = static_cast<int>((int64_t(p.s_k) + p.block_size - 1) / p.block_size);
   if (!no_keys && p.v_transposed) {
     const int64_t num_columns = int64_t(p.b) * p.h_k * s_pad;
     const int64_t column_grid = (num_columns + kKeyColumnThreads - 1) / kKeyColumnThreads;

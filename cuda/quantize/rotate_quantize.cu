@@ -44,8 +44,8 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
 // 160, 192, 224) but still take part in the shuffles.
 // One pass of a CTA covers a 64-token block (quantized straight from registers) at d <= 128:
 // 2 warps at d = 32, 4 at d = 64 (8 left half the CTA idle on 64-token blocks: q rotated at 16k
-// tokens x 2048 took 79 µs, 52 with 4, H200, thirteenth session), 8 from d = 96 on. d=256 takes
-// two passes (16 warps to cover it in one measured slower on the H200: 106 vs 96 µs).
+// tokens x 2048 took 79 µs, 52 with 4, H200, 2026-12-02), 8 from d = 96 on. d=256 takes
+// two passes (16 warps to cover it in one measured slower: 106 vs 96 µs, H200, 2026-12-01).
 template <int kLanesPerRow>
 struct LaneMap {
   static constexpr int kWarps = kLanesPerRow <= 2 ? 2 * kLanesPerRow : 8;
@@ -149,7 +149,7 @@ __device__ __forceinline__ void rotate_row(const Rotation& rot, int lane_in_row,
 
 // Loads the lane's 32 elements (zeros where `valid` is false) and rotates them (rotate_row).
 // The loads stay behind the branch: a select on `valid` per vector slowed the v passes by 7-14%
-// (H200, seventeenth session).
+// (H200, 2026-12-02).
 template <typename T, int kLanesPerRow>
 __device__ __forceinline__ void load_row(const T* __restrict__ src, bool valid, const Rotation& rot,
                                          int lane_in_row, float (&v)[kPerLane]) {
@@ -321,7 +321,7 @@ __device__ __forceinline__ Slice slice_of(const RotateQuantizeParams& p, int64_t
 // Three CTAs per SM (at most 85 registers: 20 bytes spilled at d = 128 and 256, up to 44 at
 // d = 96, 160-224, none at d = 32, 64; tests/test_sass.py pins them), where 92 registers allowed
 // two: the pass waits on memory, and 24 warps hide more of it than 16. q rotated at 16k tokens,
-// H200 (thirteenth session, benchmarks/RESULTS.md): 52 vs 64 µs at d = 128, 79 vs 88 at d = 256.
+// H200 (2026-12-02, benchmarks/RESULTS.md): 52 vs 64 µs at d = 128, 79 vs 88 at d = 256.
 template <typename T, int kLanesPerRow>
 __global__ void __launch_bounds__(LaneMap<kLanesPerRow>::kThreads, 3)
 rotate_quantize_block_kernel(RotateQuantizeParams p, int64_t n_blocks, int block_pow2,
@@ -349,7 +349,7 @@ rotate_quantize_block_kernel(RotateQuantizeParams p, int64_t n_blocks, int block
 // Blocks that one pass of a CTA covers (64 tokens at d <= 128), kBlocksPerCta consecutive ones
 // per CTA: the loads of all of them are issued first, so that twice the bytes are in flight per
 // SM while the first block is rotated, reduced and stored (the pass waits on memory). 80
-// registers, no spill, three CTAs per SM. q rotated at 16k tokens, H200 (seventeenth session,
+// registers, no spill, three CTAs per SM. q rotated at 16k tokens, H200 (2026-12-02,
 // benchmarks/RESULTS.md), bit for bit the output of one block per CTA: d = 128 46 vs 52 µs, d = 96
 // 39 vs 46.5, d = 64 24 vs 28.
 template <typename T, int kLanesPerRow, int kBlocksPerCta>
@@ -406,9 +406,9 @@ rotate_quantize_chunk_amax_kernel(RotateQuantizeParams p, int64_t n_blocks, int6
 // sums, maxima and minima into its slot of p.partials, (3, d) floats. A thread folds
 // kStatsColumns columns of every kRows-th token of the chunk in 24 registers, then the rows meet
 // in shared memory and are folded in row order (the pass stays deterministic). Why so few columns
-// a thread: a first version held a lane's 32 columns (the rotation's layout), needed 145-214
-// registers, fitted one CTA per SM and took 148 µs at 8k tokens (d = 128, H200), where XLA's mean
-// and the amax pass took 109; this one keeps eight CTAs per SM with their loads in flight.
+// a thread: holding a lane's 32 columns (the rotation's layout) needs 145-214 registers, fits one
+// CTA per SM and took 148 µs at 8k tokens (d = 128, H200, 2026-12-03), where XLA's mean and the
+// amax pass took 109; eight columns keep eight CTAs per SM with their loads in flight.
 constexpr int kStatsColumns = 8;
 constexpr int kStatsThreads = 256;
 

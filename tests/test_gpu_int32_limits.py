@@ -1,0 +1,141 @@
+"""Where 32-bit arithmetic could break the kernels (GPU only): tensors past 2^31 elements through
+every kernel (~5 GB per bf16 tensor), and window bounds near 2^31.
+
+Each test runs the kernel on a tensor whose last elements sit beyond element 2^31, so an offset
+computed in 32 bits would read or write the wrong place, and compares the tail of the result with
+the same kernel run on the tail alone (small offsets). Batch entries are independent and the
+kernels' arithmetic per (batch, head) does not depend on the batch size, so those comparisons are
+exact; the long-sequence case compares rows whose key windows differ in block alignment, with a
+bound far below what a wrong row or key would give (outputs are means of unit normals: ~0.1).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fa3
+from kernel_build import skip_unless_compiled
+
+pytestmark = pytest.mark.gpu
+
+_BIG = 2**31
+
+
+def _normal(seed, shape, dtype=jnp.bfloat16):
+  return jax.random.normal(jax.random.PRNGKey(seed), shape, dtype)
+
+
+def _qkv(shape):
+  assert np.prod(shape) > _BIG, shape
+  return _normal(0, shape), _normal(1, shape), _normal(2, shape)
+
+
+def _assert_calls(fn, target, *args):
+  assert target in jax.jit(fn).lower(*args).as_text(), f"{target} not in the compiled program"
+
+
+def _equal(got, want):
+  np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                np.asarray(want.astype(jnp.float32)))
+
+
+# (batch, seqlen, heads, head_dim) = 1040 * 2048 * 8 * 128 = 2.18e9 elements per tensor.
+_BATCHED = (1040, 2048, 8, 128)
+
+
+def test_forward_past_2_31_elements_in_the_batch():
+  q, k, v = _qkv(_BATCHED)
+  skip_unless_compiled(q)
+  fn = lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=True, return_lse=True)
+  _assert_calls(fn, "jax_fa3_flash_fwd", q, k, v)
+  out, lse = jax.jit(fn)(q, k, v)
+  tail_out, tail_lse = jax.jit(fn)(q[-2:], k[-2:], v[-2:])
+  _equal(out[-2:], tail_out)
+  _equal(lse[-2:], tail_lse)
+
+
+def test_forward_past_2_31_elements_in_one_sequence():
+  s, w, n = 2_400_000, 127, 1024   # 1 * 2.4e6 * 8 * 128 = 2.46e9 elements per tensor
+  q, k, v = _qkv((1, s, 8, 128))
+  skip_unless_compiled(q)
+  fn = lambda q, k, v: jax_fa3.flash_attention(q, k, v, window_size=(w, 0), return_lse=True)
+  _assert_calls(fn, "jax_fa3_flash_fwd", q, k, v)
+  out, lse = jax.jit(fn)(q, k, v)
+  # The last n rows see keys [i - w, i]: the same keys as in this slice, bottom-right aligned.
+  tail_out, tail_lse = jax.jit(fn)(q[:, -n:], k[:, -(n + w):], v[:, -(n + w):])
+  np.testing.assert_allclose(np.asarray(out[:, -n:], np.float32), np.asarray(tail_out, np.float32),
+                             atol=2e-3, rtol=0)
+  np.testing.assert_allclose(np.asarray(lse[:, :, -n:]), np.asarray(tail_lse), atol=1e-4, rtol=0)
+
+
+def test_backward_past_2_31_elements():
+  q, k, v = _qkv(_BATCHED)
+  do = _normal(3, _BATCHED)
+  skip_unless_compiled(q)
+
+  def grads(q, k, v, do):
+    # Deterministic: dQ's fp32 adds in a fixed order, so the two runs can agree bit for bit.
+    _, vjp = jax.vjp(lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=True,
+                                                               deterministic=True), q, k, v)
+    return vjp(do)
+
+  _assert_calls(grads, "jax_fa3_flash_bwd", q, k, v, do)
+  dq, dk, dv = jax.jit(grads)(q, k, v, do)
+  tail = jax.jit(grads)(q[-2:], k[-2:], v[-2:], do[-2:])
+  for got, want in zip((dq, dk, dv), tail):
+    _equal(got[-2:], want)
+
+
+def test_fp8_forward_past_2_31_elements(monkeypatch):
+  # One tile never split in one call and whole in the other (the split changes only the order of
+  # O's adds, but that is enough to break bit equality).
+  monkeypatch.setenv("JAX_FA3_FP8_TAIL_SPLIT", "0")
+  q, k, v = _qkv(_BATCHED)
+  skip_unless_compiled(q)
+  key = jax.random.PRNGKey(7)
+  fn = lambda q, k, v: jax_fa3.flash_attention_fp8(q, k, v, causal=True, key=key,
+                                                   return_lse=True)
+  hlo = jax.jit(fn).lower(q, k, v).as_text()
+  assert "jax_fa3_flash_fwd_fp8" in hlo and "jax_fa3_rotate_quantize_fp8" in hlo
+  out, lse = jax.jit(fn)(q, k, v)
+  tail_out, tail_lse = jax.jit(fn)(q[-2:], k[-2:], v[-2:])
+  _equal(out[-2:], tail_out)
+  _equal(lse[-2:], tail_lse)
+
+
+def test_quantize_fp8_past_2_31_elements():
+  x = _normal(4, _BATCHED)
+  fn = lambda x: jax_fa3.quantize_fp8(x)
+  _assert_calls(fn, "jax_fa3_rotate_quantize_fp8", x)
+  values, scales = jax.jit(fn)(x)
+  tail_values, tail_scales = jax.jit(fn)(x[-2:])
+  _equal(values[-2:], tail_values)
+  _equal(scales[-2:], tail_scales)
+
+
+def test_hadamard_past_2_31_elements():
+  x = _normal(5, (17_000_000, 128))   # 2.18e9 elements
+  fn = lambda x: jax_fa3.hadamard_transform(x)
+  _assert_calls(fn, "jax_fa3_hadamard", x)
+  y = jax.jit(fn)(x)
+  _equal(y[-1000:], jax.jit(fn)(x[-1000:]))
+
+
+@pytest.mark.parametrize("window", [(2**31 - 1, 0), (2**31 - 1, 2**31 - 1), (5, 2**31 - 1)])
+def test_backward_window_past_every_key_is_unbounded(window):
+  """A bound of s_q + s_k or more is the unbounded side (-1); the backward's block ranges add it
+  to row offsets in int32, so the handler clamps it as the forward's launch does."""
+  q, k, v = (_normal(i, (2, 300, 4, 128)) for i in range(3))
+  skip_unless_compiled(q)
+  unbounded = tuple(-1 if w > 10**6 else w for w in window)
+
+  def grads(window):
+    loss = lambda q, k, v: jnp.sum(jax_fa3.flash_attention(
+        q, k, v, window_size=window, deterministic=True).astype(jnp.float32) ** 2)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+  _assert_calls(lambda q, k, v: jax.grad(lambda q: jnp.sum(jax_fa3.flash_attention(
+      q, k, v, window_size=window).astype(jnp.float32)))(q), "jax_fa3_flash_bwd", q, k, v)
+  for got, want in zip(grads(window), grads(unbounded)):
+    _equal(got, want)
