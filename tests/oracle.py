@@ -106,8 +106,9 @@ def attention_oracle_grads(q, k, v, dout, *, softmax_scale, window_left=-1, wind
 # The public API's options, translated here (not by jax_fa3._validation): the default scale is
 # 1/sqrt(head_dim) and causal is a window whose right bound is 0.
 def resolve_options(head_dim, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0):
-    """The keyword arguments of attention_oracle for a flash_attention call's options."""
+                    softcap=0.0, deterministic=False):
+    """The keyword arguments of attention_oracle for a flash_attention call's options
+    (`deterministic` fixes an accumulation order, not the value: it is accepted and ignored)."""
     left, right = window_size
     if causal:
         if right > 0:
