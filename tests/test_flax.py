@@ -340,7 +340,7 @@ def test_train_gpt_two_steps_data_parallel_compare(tmp_path):
 @pytest.mark.parametrize("name,expected", [("quickstart", "attention_fn drop-in"),
                                            ("gradcheck", "all gradient checks passed")])
 def test_example_runs_as_a_script(name, expected):
-  # A fresh interpreter, as a user runs it: no x64 or fake devices from this test session.
+  # A fresh interpreter, as a user runs it: no x64 or fake devices from this pytest process.
   import os  # noqa: PLC0415
   import subprocess  # noqa: PLC0415
   import jax_fa3  # noqa: PLC0415
