@@ -14,6 +14,7 @@ import pytest
 import jax_fa3
 from jax_fa3 import fp8
 from jax_fa3.fp8 import dequantize_fp8, flash_attention_fp8, quantize_fp8
+from kernel_targets import FLASH_FWD_FP8, assert_targets, compiled_text, kernel_targets
 from oracle import attention_oracle
 
 
@@ -459,7 +460,19 @@ def test_quantize_bad_inputs():
 
 
 def test_reports_emulation_path():
-  assert fp8._kernel_unavailable_reason() is not None or jax_fa3.kernels_available()
+  # Off-GPU: the reason is the missing kernels', the call is announced, no fp8 kernel runs.
+  # With the kernels: no reason at d = 128 and the compiled program calls the fp8 kernel.
+  from jax_fa3 import _ffi  # noqa: PLC0415
+  q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 64, 2, 128)), jnp.bfloat16)
+  text = compiled_text(lambda q: flash_attention_fp8(q, q, q), q)
+  reason = fp8._kernel_unavailable_reason(128)
+  if jax_fa3.kernels_available():
+    assert reason is None
+    assert_targets(text, FLASH_FWD_FP8)
+  else:
+    assert reason == jax_fa3.kernels_unavailable_reason() and reason
+    assert f"fp8:{reason}" in _ffi._announced
+    assert kernel_targets(text) == {}
 
 
 # Workspace = b·h_k·s_pad·(d if V is transposed by the kernel else 0, + 4 for the per-key k
