@@ -73,12 +73,17 @@ def assert_targets(program_text: str, expected) -> None:
                        f"{sorted(missing)} (it calls: {describe(program_text)})")
 
 
+def compile_on_kernels(fn, *args, expected):
+  """jit(fn) compiled at args, asserted to call every kernel in `expected`."""
+  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+  compiled = jitted.lower(*args).compile()
+  assert_targets(compiled.as_text(), expected)
+  return compiled
+
+
 def run_on_kernels(fn, *args, expected):
   """Compiles jit(fn) at args, asserts it calls every kernel in `expected`, runs it once.
 
   The same executable is checked and run, so the values a test then compares are the kernel's.
   """
-  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-  compiled = jitted.lower(*args).compile()
-  assert_targets(compiled.as_text(), expected)
-  return compiled(*args)
+  return compile_on_kernels(fn, *args, expected=expected)(*args)
