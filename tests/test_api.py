@@ -145,7 +145,9 @@ def test_bad_inputs_raise_clear_errors(override, error, message):
 
 def test_backend_is_reported():
   assert isinstance(jax_fa3.kernels_available(), bool)
-  if not jax_fa3.kernels_available():
+  if jax_fa3.kernels_available():
+    assert jax_fa3.kernels_unavailable_reason() is None
+  else:
     assert jax_fa3.kernels_unavailable_reason()
 
 
