@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 import jax_fa3
-from fa3_criterion import check_forward
+from fa3_criterion import check_forward, check_output
 from ffi_probe import ffi_error_message
 from kernel_build import skip_unless_compiled
-from kernel_targets import FLASH_FWD, kernel_targets, run_on_kernels
+from kernel_targets import FLASH_FWD, compile_on_kernels, kernel_targets
 from oracle import keys_seen_per_row
 
 pytestmark = pytest.mark.gpu
@@ -40,8 +40,9 @@ def _check_forward(q, k, v, dtype, **kw):
   skip_unless_compiled(q)
   assert q.dtype == dtype
   fn = jax.jit(lambda q, k, v: jax_fa3.flash_attention(q, k, v, return_lse=True, **kw))
-  out, lse = run_on_kernels(fn, q, k, v, expected=FLASH_FWD)
-  out2, lse2 = fn(q, k, v)
+  compiled = compile_on_kernels(fn, q, k, v, expected=FLASH_FWD)
+  out, lse = compiled(q, k, v)
+  out2, lse2 = compiled(q, k, v)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(out2))  # same inputs, same bits
   np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse2))
   assert out.dtype == dtype and out.shape == q.shape
@@ -96,6 +97,7 @@ def test_forward_under_vmap_folds_into_batch():
   out = fn(*stacked)
   np.testing.assert_array_equal(np.asarray(out[0]),
                                 np.asarray(jax_fa3.flash_attention(q, k, v, causal=True)))
+  check_output(out[1], *(x[1] for x in stacked), causal=True)
 
 
 def test_ffi_handler_rejects_bad_shapes():
