@@ -101,3 +101,18 @@ def test_criterion_accepts_float32_gradients(options):
                                  * do.astype(jnp.float32))
   grads = jax.grad(loss, argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in (q, k, v)))
   check_grads([g.astype(jnp.bfloat16) for g in grads], q, k, v, do, **options)
+
+
+# The GPU test files that run jax_fa3 kernels through XLA; test_gpu_exp2_fma.py compiles and runs
+# a standalone CUDA check (no FFI target to look for).
+NO_FFI_TARGET = {"test_gpu_exp2_fma.py"}
+
+
+@pytest.mark.parametrize("path", sorted(p.name for p in (REPO / "tests").glob("test_gpu_*.py")))
+def test_every_gpu_test_file_checks_kernel_targets(path):
+  text = (REPO / "tests" / path).read_text()
+  if path in NO_FFI_TARGET:
+    assert "jax_fa3." not in text
+    return
+  assert "from kernel_targets import" in text
+  assert "pytestmark = pytest.mark.gpu" in text
