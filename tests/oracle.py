@@ -101,3 +101,35 @@ def attention_oracle_grads(q, k, v, dout, *, softmax_scale, window_left=-1, wind
     dq = softmax_scale * np.einsum("bhqk,bkhd->bqhd", dscores, k_full, optimize=True)
     dk_full = softmax_scale * np.einsum("bhqk,bqhd->bkhd", dscores, q, optimize=True)
     return dq, _sum_over_head_groups(dk_full, h_k), _sum_over_head_groups(dv_full, h_k)
+
+
+# The public API's options, translated here (not by jax_fa3._validation): the default scale is
+# 1/sqrt(head_dim) and causal is a window whose right bound is 0.
+def resolve_options(head_dim, *, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    softcap=0.0, deterministic=False):
+    """The keyword arguments of attention_oracle for a flash_attention call's options
+    (`deterministic` fixes an accumulation order, not the value: it is accepted and ignored)."""
+    left, right = window_size
+    if causal:
+        if right > 0:
+            raise ValueError(f"causal with window_size right {right} > 0")
+        right = 0
+    scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return dict(softmax_scale=scale, window_left=left, window_right=right, softcap=float(softcap))
+
+
+def oracle_attention(q, k, v, **options):
+    """attention_oracle with flash_attention's options (softmax_scale=None, causal, window_size,
+    softcap): out (b, s_q, h, d) and lse (b, h, s_q), float64."""
+    return attention_oracle(q, k, v, **resolve_options(q.shape[-1], **options))
+
+
+def oracle_attention_grads(q, k, v, dout, **options):
+    """attention_oracle_grads with flash_attention's options: dq, dk, dv, float64."""
+    return attention_oracle_grads(q, k, v, dout, **resolve_options(q.shape[-1], **options))
+
+
+def keys_seen_per_row(s_q, s_k, **options):
+    """(s_q,) number of keys each query row sees under flash_attention's options."""
+    resolved = resolve_options(1, **options)
+    return visibility_mask(s_q, s_k, resolved["window_left"], resolved["window_right"]).sum(-1)

@@ -8,7 +8,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_fa3
-from oracle import attention_oracle
+from oracle import attention_oracle, oracle_attention_grads
 
 
 def _qkv(seed, b=2, s_q=33, s_k=47, h=4, h_k=2, d=16, dtype=jnp.float32):
@@ -60,8 +60,9 @@ def test_check_grads_float64(causal, window, softcap):
 def test_check_grads_float32():
   q, k, v = _qkv(3, b=1, s_q=7, s_k=11, h=2, h_k=2, d=8, dtype=jnp.float32)
   f = functools.partial(jax_fa3.flash_attention, causal=True)
-  # float32 finite differences: eps=1e-2 keeps truncation and rounding both near 1e-3.
-  check_grads(f, (q, k, v), order=1, modes=("rev",), eps=1e-2, atol=2e-2, rtol=2e-2)
+  # float32 finite differences: eps=1e-2 keeps truncation (O(eps^2) ~ 1e-4 for these O(1)
+  # curvatures) and rounding (2^-24 / eps ~ 6e-6 per evaluation) below 1e-3, which passes.
+  check_grads(f, (q, k, v), order=1, modes=("rev",), eps=1e-2, atol=1e-3, rtol=1e-3)
 
 
 def test_check_grads_through_lse():
@@ -97,7 +98,10 @@ def test_empty_rows_are_zero_with_infinite_lse():
   np.testing.assert_array_equal(np.asarray(out[:, :4]), 0)
   assert np.all(np.isposinf(np.asarray(lse[..., :4])))
   g = jax.grad(lambda q: jnp.sum(jax_fa3.flash_attention(q, k, v, causal=True)))(q)
-  assert np.all(np.isfinite(np.asarray(g)))
+  # Rows that see no key do not depend on q: exactly zero gradient there, none NaN elsewhere.
+  np.testing.assert_array_equal(np.asarray(g[:, :4]), 0)
+  dq_ref, _, _ = oracle_attention_grads(q, k, v, np.ones(q.shape), causal=True)
+  np.testing.assert_allclose(np.asarray(g), dq_ref, rtol=1e-5, atol=1e-6)
 
 
 BAD = [
@@ -141,7 +145,9 @@ def test_bad_inputs_raise_clear_errors(override, error, message):
 
 def test_backend_is_reported():
   assert isinstance(jax_fa3.kernels_available(), bool)
-  if not jax_fa3.kernels_available():
+  if jax_fa3.kernels_available():
+    assert jax_fa3.kernels_unavailable_reason() is None
+  else:
     assert jax_fa3.kernels_unavailable_reason()
 
 

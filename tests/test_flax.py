@@ -201,18 +201,37 @@ def test_fp8_linen_layer_close_to_exact_and_differentiable():
                                     variables["params"], x, cotangent)
   assert out.dtype == F32
   assert _rel(out, ref) < FP8_TOL
-  # Straight-through: gradients are those of exact attention, up to the fp8 forward's output.
-  for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-    assert np.all(np.isfinite(g)) and _rel(g, g_ref) < 2 * FP8_TOL
+  _assert_straight_through(grads, ref_grads, out_kernel_path="['out']['kernel']")
 
 
-def test_fp8_nnx_layer_differentiable():
-  # Closeness to exact attention is the linen test's (the same attention_fn underneath).
-  x = _normal(8, (2, 64, 64))
+def _assert_straight_through(grads, ref_grads, out_kernel_path):
+  """Straight-through gradients are exact attention's (measured: relative error 0.0 on the CPU),
+  except the output projection's kernel, whose gradient is (attention output)^T · cotangent and
+  so inherits the fp8 forward's error (measured 0.040, like the output's 0.039)."""
+  assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+  for (path, g), g_ref in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                              jax.tree.leaves(ref_grads)):
+    name = jax.tree_util.keystr(path)
+    if name.endswith(out_kernel_path):
+      assert _rel(g, g_ref) < FP8_TOL, (name, _rel(g, g_ref))
+    else:  # the same float32 math in the same order: the file's float32 tolerance
+      np.testing.assert_allclose(g, g_ref, rtol=TOL, atol=TOL * float(np.max(np.abs(g_ref))),
+                                 err_msg=name)
+
+
+def test_fp8_nnx_layer_straight_through_gradients():
+  # Closeness to exact attention is the linen test's (the same attention_fn underneath); the
+  # signs are drawn after Flax's parameters, so one seed gives both layers the same weights.
+  x, cotangent = _normal(8, (2, 64, 64)), _normal(9, (2, 64, 64))
+  loss = lambda m, x: jnp.sum(m(x) * cotangent)
   model = fx.MultiHeadAttention(2, 64, causal=True, fp8=True, rngs=nnx.Rngs(0))
-  grads = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x) ** 2)))(model, x)  # w.r.t. nnx.Param
-  assert all(np.all(np.isfinite(g)) and np.any(g != 0) for g in jax.tree.leaves(grads))
+  exact = fx.MultiHeadAttention(2, 64, causal=True, rngs=nnx.Rngs(0))
+  grads = nnx.jit(nnx.grad(loss))(model, x)  # w.r.t. nnx.Param
+  ref_grads = nnx.jit(nnx.grad(loss))(exact, x)
   assert not nnx.state(grads, fx.Fp8RotationSigns)  # the signs are not trained
+  _assert_straight_through(nnx.state(grads, nnx.Param).to_pure_dict(),
+                           nnx.state(ref_grads, nnx.Param).to_pure_dict(),
+                           out_kernel_path="['out']['kernel']")
 
 
 def test_fp8_rotation_signs_linen_checkpoint_round_trip():
@@ -340,7 +359,7 @@ def test_train_gpt_two_steps_data_parallel_compare(tmp_path):
 @pytest.mark.parametrize("name,expected", [("quickstart", "attention_fn drop-in"),
                                            ("gradcheck", "all gradient checks passed")])
 def test_example_runs_as_a_script(name, expected):
-  # A fresh interpreter, as a user runs it: no x64 or fake devices from this test session.
+  # A fresh interpreter, as a user runs it: no x64 or fake devices from this pytest process.
   import os  # noqa: PLC0415
   import subprocess  # noqa: PLC0415
   import jax_fa3  # noqa: PLC0415

@@ -14,6 +14,7 @@ import pytest
 import jax_fa3
 from jax_fa3 import _config, _fp8_emulation, _fp8_forward, _fp8_quantize
 from jax_fa3.fp8 import dequantize_fp8, flash_attention_fp8, quantize_fp8
+from kernel_targets import FLASH_FWD_FP8, assert_targets, compiled_text, kernel_targets
 from oracle import attention_oracle
 
 
@@ -216,7 +217,12 @@ def test_empty_rows_and_output_dtypes():
   out, lse = flash_attention_fp8(q, k, v, window_size=(0, 0), return_lse=True)
   assert out.dtype == jnp.float32
   assert np.all(np.asarray(out)[:, :4] == 0) and np.all(np.isposinf(np.asarray(lse)[:, :, :4]))
-  assert np.all(np.isfinite(np.asarray(lse)[:, :, 4:]))
+  # The other rows see exactly one key: out is that key's v and lse its score, both through e4m3
+  # (bounds of test_close_to_float64_on_normal_inputs: 0.07 relative RMS on out, 0.15 on lse).
+  ref, ref_lse = attention_oracle(*(np.asarray(x, np.float64) for x in (q, k, v)),
+                                  softmax_scale=16**-0.5, window_left=0, window_right=0)
+  np.testing.assert_allclose(np.asarray(lse)[:, :, 4:], ref_lse[:, :, 4:], atol=0.15)
+  assert _rmse(out[:, 4:], ref[:, 4:]) / np.sqrt(np.mean(ref[:, 4:] ** 2)) < 0.07
   out16 = flash_attention_fp8(q.astype(jnp.float16), k.astype(jnp.float16), v.astype(jnp.float16))
   assert out16.dtype == jnp.float16
 
@@ -459,7 +465,19 @@ def test_quantize_bad_inputs():
 
 
 def test_reports_emulation_path():
-  assert _fp8_forward.kernel_unavailable_reason() is not None or jax_fa3.kernels_available()
+  # Off-GPU: the reason is the missing kernels', the call is announced, no fp8 kernel runs.
+  # With the kernels: no reason at d = 128 and the compiled program calls the fp8 kernel.
+  from jax_fa3 import _ffi  # noqa: PLC0415
+  q = jnp.asarray(np.random.default_rng(0).standard_normal((1, 64, 2, 128)), jnp.bfloat16)
+  text = compiled_text(lambda q: flash_attention_fp8(q, q, q), q)
+  reason = _fp8_forward.kernel_unavailable_reason(128)
+  if jax_fa3.kernels_available():
+    assert reason is None
+    assert_targets(text, FLASH_FWD_FP8)
+  else:
+    assert reason == jax_fa3.kernels_unavailable_reason() and reason
+    assert f"fp8:{reason}" in _ffi._announced
+    assert kernel_targets(text) == {}
 
 
 # Workspace = b·h_k·s_pad·(d if V is transposed by the kernel else 0, + 4 for the per-key k

@@ -7,6 +7,7 @@ import pytest
 import jax_fa3
 from jax_fa3.hadamard import _hadamard_reference
 from ffi_probe import ffi_error_message
+from kernel_targets import HADAMARD, run_on_kernels
 
 pytestmark = pytest.mark.gpu
 
@@ -17,7 +18,8 @@ def test_kernel_matches_reference(d, dtype, tol):
   rows = 1000 if d < 8192 else 7   # ragged: not a multiple of the rows per CTA
   x = jax.random.normal(jax.random.PRNGKey(d), (rows, d), jnp.float32).astype(dtype)
   signs = jnp.where(jax.random.bernoulli(jax.random.PRNGKey(1), 0.5, (d,)), 1.0, -1.0)
-  y = jax.jit(lambda x, s: jax_fa3.hadamard_transform(x, signs=s))(x, signs)
+  y = run_on_kernels(lambda x, s: jax_fa3.hadamard_transform(x, signs=s), x, signs,
+                     expected=HADAMARD)
   ref = _hadamard_reference(x.astype(jnp.float32), signs)
   assert y.dtype == dtype
   rel = float(jnp.linalg.norm(y.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
@@ -26,10 +28,9 @@ def test_kernel_matches_reference(d, dtype, tol):
 
 def test_kernel_is_called_and_vmaps():
   x = jax.random.normal(jax.random.PRNGKey(3), (3, 5, 128), jnp.bfloat16)
-  hlo = jax.jit(jax_fa3.hadamard_transform).lower(x).as_text()
-  assert "jax_fa3_hadamard" in hlo
-  batched = jax.jit(jax.vmap(lambda x, s: jax_fa3.hadamard_transform(x, signs=s)))(
-      x, jnp.ones((3, 128), jnp.float32) * jnp.array([[1.0], [-1.0], [1.0]]))
+  batched = run_on_kernels(jax.vmap(lambda x, s: jax_fa3.hadamard_transform(x, signs=s)),
+                           x, jnp.ones((3, 128), jnp.float32) * jnp.array([[1.0], [-1.0], [1.0]]),
+                           expected=HADAMARD)
   np.testing.assert_allclose(np.asarray(batched[1], np.float32),
                              -np.asarray(jax_fa3.hadamard_transform(x[1]), np.float32), rtol=1e-2,
                              atol=1e-2)

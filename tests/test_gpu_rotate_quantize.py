@@ -18,6 +18,8 @@ import pytest  # noqa: E402
 from jax_fa3 import _fp8_quantize, fp8  # noqa: E402
 from jax_fa3.hadamard import _hadamard_reference  # noqa: E402
 from ffi_probe import ffi_error_message  # noqa: E402
+from kernel_targets import (ROTATE_QUANTIZE_FP8, describe, kernel_targets,  # noqa: E402
+                            run_on_kernels)
 
 pytestmark = pytest.mark.gpu
 
@@ -54,8 +56,7 @@ def _pure_jax(x, signs, rotate, block_size, mean=None):
 
 def _fused(x, signs, rotate, block_size):
   fn = jax.jit(lambda x, s: _fp8_quantize.rotate_quantize(x, s, rotate, block_size))
-  assert _fp8_quantize.ROTATE_QUANTIZE_TARGET in fn.lower(x, signs).as_text()
-  return fn(x, signs)
+  return run_on_kernels(fn, x, signs, expected=ROTATE_QUANTIZE_FP8)
 
 
 def _assert_within_one_e4m3_step(got, want):
@@ -104,7 +105,7 @@ def _check_against_pure_jax(x, block_size):
 
 
 def _fused_keys_transposed(x):
-  return jax.jit(_fp8_quantize.quantize_v_kernel_layout)(x)
+  return run_on_kernels(_fp8_quantize.quantize_v_kernel_layout, x, expected=ROTATE_QUANTIZE_FP8)
 
 
 @pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
@@ -141,8 +142,7 @@ def test_centred_v_matches_pure_jax(d, dtype, seqlen):
   vt, vt_scales = jax.jit(_fp8_quantize.quantize_v_kernel_layout)(x, mean)
   np.testing.assert_array_equal(np.asarray(vt_scales), np.asarray(ref_scales)[..., 0])
   np.testing.assert_array_equal(np.asarray(vt).view(np.uint8),
-                                np.asarray(_fp8_quantize.kernel_v_layout(ref_values))
-                                .view(np.uint8))
+                                np.asarray(_fp8_quantize.kernel_v_layout(ref_values)).view(np.uint8))
   # The centred values span e4m3's range on their own: amax(|v - mean|) is 448 · scale (one key
   # alone is its own mean: all zeros, scale 1).
   expected_amax = 448.0 if seqlen > 1 else 0.0
@@ -169,8 +169,7 @@ def test_centre_in_the_pass_matches_pure_jax(d, dtype, seqlen):
   ref_values, ref_scales = _pure_jax(x, None, False, None, mean)
   np.testing.assert_array_equal(np.asarray(scales), np.asarray(ref_scales)[..., 0])
   np.testing.assert_array_equal(np.asarray(vt).view(np.uint8),
-                                np.asarray(_fp8_quantize.kernel_v_layout(ref_values))
-                                .view(np.uint8))
+                                np.asarray(_fp8_quantize.kernel_v_layout(ref_values)).view(np.uint8))
 
 
 def test_centre_in_the_pass_special_heads():
@@ -180,7 +179,7 @@ def test_centre_in_the_pass_special_heads():
   x[0, 17, 0, 5] = np.nan
   x[0, :, 1, :] = 1.25
   x = jnp.asarray(x)
-  vt, scales, mean = jax.jit(_fp8_quantize.centre_v_kernel_layout)(x)
+  vt, scales, mean = run_on_kernels(_fp8_quantize.centre_v_kernel_layout, x, expected=ROTATE_QUANTIZE_FP8)
   mean, scales = np.asarray(mean), np.asarray(scales)
   assert np.isnan(mean[0, 0, 5]) and scales[0, 0] == 1.0
   np.testing.assert_array_equal(mean[0, 1], 1.25)
@@ -188,13 +187,13 @@ def test_centre_in_the_pass_special_heads():
   ref_values, ref_scales = _pure_jax(x[:, :, 2:], None, False, None, jnp.asarray(mean[:, 2:]))
   np.testing.assert_array_equal(scales[:, 2:], np.asarray(ref_scales)[..., 0])
   np.testing.assert_array_equal(np.asarray(vt)[:, 2:].view(np.uint8),
-                                np.asarray(_fp8_quantize.kernel_v_layout(ref_values))
-                                .view(np.uint8))
+                                np.asarray(_fp8_quantize.kernel_v_layout(ref_values)).view(np.uint8))
 
 
 def test_keys_transposed_vmap_folds_into_batch():
   x = _inputs(9, (6, 200, 2, 64), jnp.float16).reshape(3, 2, 200, 2, 64)
-  vt = jax.jit(jax.vmap(lambda x: _fused_keys_transposed(x)[0]))(x)
+  vt = run_on_kernels(jax.vmap(lambda x: _fp8_quantize.quantize_v_kernel_layout(x)[0]), x,
+                      expected=ROTATE_QUANTIZE_FP8)
   for i in range(3):
     np.testing.assert_array_equal(np.asarray(vt[i]).view(np.uint8),
                                   np.asarray(_fused_keys_transposed(x[i])[0]).view(np.uint8))
@@ -204,9 +203,11 @@ def test_centre_in_the_pass_vmap_folds_into_batch():
   """Under vmap the centring pass runs once on the folded batch: each lane's values, scale and
   mean are those of its own call (the chunks never cross a (batch, head))."""
   x = (_inputs(11, (6, 300, 2, 64), jnp.bfloat16) + 1.5).reshape(3, 2, 300, 2, 64)
-  vt, scales, mean = jax.jit(jax.vmap(_fp8_quantize.centre_v_kernel_layout))(x)
+  vt, scales, mean = run_on_kernels(jax.vmap(_fp8_quantize.centre_v_kernel_layout), x,
+                                    expected=ROTATE_QUANTIZE_FP8)
   for i in range(3):
-    vt_i, scales_i, mean_i = jax.jit(_fp8_quantize.centre_v_kernel_layout)(x[i])
+    vt_i, scales_i, mean_i = run_on_kernels(_fp8_quantize.centre_v_kernel_layout, x[i],
+                                            expected=ROTATE_QUANTIZE_FP8)
     np.testing.assert_array_equal(np.asarray(vt[i]).view(np.uint8),
                                   np.asarray(vt_i).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(scales[i]), np.asarray(scales_i))
@@ -230,9 +231,8 @@ def test_special_blocks_match_pure_jax():
 
 def test_public_quantize_and_fp8_attention_use_the_fused_pass():
   x = _inputs(3, (2, 256, 4, 128), jnp.bfloat16)
-  hlo = jax.jit(lambda x: fp8.quantize_fp8(x, block_size=64)).lower(x).as_text()
-  assert _fp8_quantize.ROTATE_QUANTIZE_TARGET in hlo
-  values, scales = fp8.quantize_fp8(x, block_size=64)
+  values, scales = run_on_kernels(lambda x: fp8.quantize_fp8(x, block_size=64), x,
+                                  expected=ROTATE_QUANTIZE_FP8)
   ref_values, ref_scales = _pure_jax(x, None, False, 64)
   np.testing.assert_array_equal(np.asarray(scales), np.asarray(ref_scales))
   np.testing.assert_array_equal(np.asarray(values).view(np.uint8),
@@ -240,22 +240,21 @@ def test_public_quantize_and_fp8_attention_use_the_fused_pass():
   import jax_fa3  # noqa: PLC0415
   hlo = jax.jit(jax_fa3.flash_attention_fp8).lower(x, x, x).as_text()
   # q and k rotated, v (one scale per head)
-  assert hlo.count(_fp8_quantize.ROTATE_QUANTIZE_TARGET) == 3
+  assert kernel_targets(hlo)[ROTATE_QUANTIZE_FP8] == 3, describe(hlo)
 
 
 def test_vmap_folds_into_batch():
   x = _inputs(5, (6, 130, 2, 64), jnp.bfloat16).reshape(3, 2, 130, 2, 64)
   signs = _signs(64)
   fn = lambda x: _fp8_quantize.rotate_quantize(x, signs, True, 64)
-  values, scales = jax.jit(jax.vmap(fn))(x)
+  values, scales = run_on_kernels(jax.vmap(fn), x, expected=ROTATE_QUANTIZE_FP8)
   for i in range(3):
-    v_i, s_i = jax.jit(fn)(x[i])
+    v_i, s_i = run_on_kernels(fn, x[i], expected=ROTATE_QUANTIZE_FP8)
     np.testing.assert_array_equal(np.asarray(values[i]).view(np.uint8), np.asarray(v_i).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(scales[i]), np.asarray(s_i))
   # Per-lane signs take the XLA path lane by lane.
   lane_signs = jnp.stack([signs, -signs, signs])
-  per_lane = jax.jit(jax.vmap(lambda x, s: _fp8_quantize.rotate_quantize(x, s, True, 64)))(
-      x, lane_signs)
+  per_lane = jax.jit(jax.vmap(lambda x, s: _fp8_quantize.rotate_quantize(x, s, True, 64)))(x, lane_signs)
   ref = _pure_jax(x[1], -signs, True, 64)
   # (the XLA path rotates with the CUDA Hadamard kernel, whose butterfly order differs)
   np.testing.assert_allclose(np.asarray(per_lane[1][1]), np.asarray(ref[1]), rtol=1e-5)

@@ -26,7 +26,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 # Local-memory instructions (LDL + STL) allowed per kernel; every other kernel: none.
 # fp8 d128 with 128-row tiles: 12 bytes (3 STL + 3 LDL, all per tile, none in the K/V loop) under
 # its 208-register cap (fp8_traits.h), since the row sums' tensor-core accumulator
-# (fp8_row_sum.h) took 4 registers; none in the twenty-second session, 8 bytes before.
+# (fp8_row_sum.h) takes 4 of them.
 # The fp8 input pass's block kernel: 20-48 bytes under its 85-register cap (three CTAs per SM,
 # cuda/quantize/rotate_quantize.cu), kept because it measured faster than 92 registers without
 # spills (q rotated at 16k tokens, H200: 52 vs 64 µs at d=128, 79 vs 88 at d=256); d = 32, 64 fit.
@@ -86,8 +86,8 @@ def test_attention_kernels_use_wgmma_tma_and_setmaxnreg(kernels, pattern, mma):
 def test_wgmma_is_not_serialized(kernels):
   # Waited-for-at-once wgmmas are the last of a batch the code waits on right away (at most 3
   # per kernel today, of 8-44: the fp8 kernels' tail-split row-max loop waits on its S GEMM too);
-  # a kernel ptxas serialized has nearly all of them so (21 of 28 in the tenth session's d128
-  # experiment, benchmarks/RESULTS.md).
+  # a kernel ptxas serialized has nearly all of them so (21 of 28 in a d128
+  # experiment, 2026-12-01, benchmarks/RESULTS.md).
   serialized = []
   for name, counts in kernels:
     gmma = counts["HGMMA"] + counts["QGMMA"]

@@ -107,6 +107,17 @@ def test_mqa_head_sharding_keeps_queries_split():
   assert counts["all-gather"] == 0 and counts["all-to-all"] == 0, counts  # dk/dv: all-reduce
 
 
+@pytest.mark.xfail(strict=True,
+                   reason="known bug: on an Explicit mesh whose axes all have size 1 the op runs "
+                          "unpartitioned and the reference path's GQA reshape has no out_sharding")
+def test_gqa_on_an_explicit_mesh_of_size_one():
+  mesh = make_mesh((1, 1), ("data", "model"), "explicit")
+  args = qkv()
+  fn = functools.partial(fwd_bwd, causal=True)
+  got, _ = run_sharded(fn, mesh, [P("data", None, "model")] * 4, *args)
+  assert_close(got, on_one_device(fn, *args))
+
+
 def test_shard_map_over_flash_attention():
   mesh = make_mesh((4, 2), ("data", "model"), "auto")
   args = qkv()

@@ -7,9 +7,9 @@
 #   tools/gpu_validate.sh [path/to/libjax_fa3_kernels.so]
 #
 # Stages: STAGES="install fwd bwd sanitizer bench fp8 ring" (default: all but fp8 and ring), e.g.
-# STAGES="install bwd". fp8: the fp8 kernel's and its input pass's tests, and tests/test_fp8.py
-# (the public API on the kernel; 271 tests, 7 minutes on the H200 on 2026-12-02; FP8_TIMEOUT seconds at most,
-# default 540).
+# STAGES="install bwd". fwd, bwd (with the compose chunk: transformations, sharding, Flax) and fp8
+# (the fp8 kernel, its input pass and tests/test_fp8.py, the public API on the kernel) run
+# chunks of tools/gpu_tests.sh, each under its CHUNK_TIMEOUT.
 # ring needs 2+ GPUs: benchmarks/bench_ring.py, 128k tokens, 1 vs n GPUs.
 # Building the kernels library on a CPU machine first (cmake; README, build options) and passing it here
 # skips the 2-10 minute CUDA build on the GPU machine: only the Python binding is built there.
@@ -30,19 +30,17 @@ if has install; then
     || { tail -30 "$OUT/install.log"; exit 1; }
   echo "== install done $(elapsed)"
 fi
+# The test stages are chunks of tools/gpu_tests.sh (JUnit XML, logs and a per-file table in $OUT).
 if has fwd; then
-  timeout 300 pytest -q -rfE -p no:cacheprovider tests/test_gpu_attention.py tests/test_gpu_hadamard.py \
-    2>&1 | tee "$OUT/fwd_tests.log" | tail -15
+  OUT="$OUT" tools/gpu_tests.sh fwd | tail -12
   echo "== forward tests rc=${PIPESTATUS[0]} $(elapsed)"
 fi
 if has fp8; then
-  timeout "${FP8_TIMEOUT:-540}" pytest -q -rfE -p no:cacheprovider tests/test_gpu_fp8.py \
-    tests/test_fp8.py tests/test_gpu_rotate_quantize.py 2>&1 | tee "$OUT/fp8_tests.log" | tail -15
+  OUT="$OUT" tools/gpu_tests.sh fp8 fp8_api | tail -12
   echo "== fp8 tests rc=${PIPESTATUS[0]} $(elapsed)"
 fi
 if has bwd; then
-  timeout 400 pytest -q -rfE -p no:cacheprovider --durations=5 \
-    tests/test_gpu_backward.py 2>&1 | tee "$OUT/bwd_tests.log" | tail -20
+  OUT="$OUT" tools/gpu_tests.sh bwd compose | tail -12
   echo "== backward tests rc=${PIPESTATUS[0]} $(elapsed)"
 fi
 if has sanitizer; then

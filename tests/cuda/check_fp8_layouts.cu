@@ -106,7 +106,7 @@ int check_bucket() {
 }
 
 int main() {
-  // The table itself, for tests/test_cuda_layouts.py to compare with jax_fa3.fp8.KEY_OF_SLOT (the
+  // The table itself, for tests/test_cuda_layouts.py to compare with jax_fa3._fp8_quantize.KEY_OF_SLOT (the
   // Python copy the XLA fallback of the keys-transposed quantization uses).
   std::printf("key_of_slot:");
   for (int k = 0; k < 32; ++k) std::printf(" %d", fp8_key_of_slot(k));

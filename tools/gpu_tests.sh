@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The whole GPU test suite on a Hopper machine with jax_fa3 installed (e.g. after
+# `STAGES=install tools/gpu_validate.sh`), in chunks that each stay under a time limit, then a
+# per-file passed / failed / errors / skipped / xfailed table (tools/junit_table.py).
+#
+#   tools/gpu_tests.sh                 # the default chunks, in order
+#   tools/gpu_tests.sh fwd bwd         # some chunks (names below)
+#   tools/gpu_tests.sh tests/test_gpu_large.py tests/test_api.py   # some files, one chunk
+#   CHUNK_TIMEOUT=500 PYTEST_ARGS="-k softmax_scale" tools/gpu_tests.sh fwd
+#
+# Writes $OUT (default ./gpu_out)/<chunk>.xml (JUnit) and <chunk>.log. A chunk killed by its
+# time limit (CHUNK_TIMEOUT seconds, default 520) has no report: its files are listed as TIMEOUT.
+# The chunks are sized to stay under 9 minutes on one H200; tests that need two GPUs skip on one.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+CHUNK_TIMEOUT="${CHUNK_TIMEOUT:-520}"
+
+declare -A CHUNKS=(
+  # The bf16/fp16 forward, Hadamard, exp2 and the >2^31-element tensors.
+  [fwd]="tests/test_gpu_attention.py tests/test_gpu_hadamard.py tests/test_gpu_exp2_fma.py tests/test_gpu_large.py"
+  # The backward kernel.
+  [bwd]="tests/test_gpu_backward.py"
+  # What users compose the kernels with (transformations, sharding, ring), the Flax layers.
+  [compose]="tests/test_gpu_compose.py tests/test_gpu_flax.py"
+  # The fp8 kernel and its input pass.
+  [fp8]="tests/test_gpu_fp8.py tests/test_gpu_rotate_quantize.py"
+  # The public fp8 API on the kernel (about 7 minutes on the H200 alone).
+  [fp8_api]="tests/test_fp8.py"
+  # Not in the default run: the CPU suite's files that take the kernel path on a GPU, the SASS
+  # and tool checks.
+  [cpu_files]="tests/test_api.py tests/test_flax.py tests/test_sharding.py tests/test_ring.py tests/test_kernel_targets.py tests/test_sass.py tests/test_fwd_timeline_tool.py tests/test_rotate_quantize_tool.py tests/test_cuda_layouts.py"
+)
+ORDER=(fwd bwd compose fp8 fp8_api)
+
+requested=("$@")
+[[ ${#requested[@]} -eq 0 ]] && requested=("${ORDER[@]}")
+runs=()     # "name|files"
+files=()
+for arg in "${requested[@]}"; do
+  if [[ -n "${CHUNKS[$arg]+x}" ]]; then
+    runs+=("$arg|${CHUNKS[$arg]}")
+  elif [[ -f "$arg" ]]; then
+    files+=("$arg")
+  else
+    echo "unknown chunk or file: $arg (chunks: ${ORDER[*]} cpu_files)" >&2
+    exit 2
+  fi
+done
+[[ ${#files[@]} -gt 0 ]] && runs+=("files|${files[*]}")
+
+reports=()
+timed_out=()
+t0=$(date +%s)
+for run in "${runs[@]}"; do
+  name="${run%%|*}"
+  read -r -a chunk_files <<< "${run#*|}"
+  rm -f "$OUT/$name.xml"
+  # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words on purpose
+  timeout "$CHUNK_TIMEOUT" pytest -q -rfEs -p no:cacheprovider -o junit_family=xunit1 \
+    --junitxml="$OUT/$name.xml" ${PYTEST_ARGS:-} "${chunk_files[@]}" > "$OUT/$name.log" 2>&1
+  rc=$?
+  echo "== $name rc=$rc $(( $(date +%s) - t0 ))s: $(tail -1 "$OUT/$name.log")"
+  if [[ -f "$OUT/$name.xml" ]]; then
+    reports+=("$OUT/$name.xml")
+  else
+    timed_out+=("${chunk_files[@]}")
+    tail -5 "$OUT/$name.log"
+  fi
+done
+echo
+python3 tools/junit_table.py "${reports[@]}" --timed-out "${timed_out[@]}" | tee "$OUT/table.txt"
+exit "${PIPESTATUS[0]}"
