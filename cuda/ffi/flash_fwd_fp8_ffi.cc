@@ -8,7 +8,7 @@
 #include "ffi/ffi_common.h"
 #include "ffi/handlers.h"
 #include "ffi/registry.h"
-#include "flash_fwd/flash_fwd_fp8.h"
+#include "flash_fwd/fp8/flash_fwd_fp8.h"
 
 namespace jax_fa3 {
 namespace {

@@ -11,12 +11,12 @@
 #include "flash_fwd/barriers.h"
 #include "flash_fwd/block_info.h"
 #include "flash_fwd/epilogue.h"
-#include "flash_fwd/fp8_row_sum.h"
-#include "flash_fwd/fp8_v_mean.h"
-#include "flash_fwd/fp8_softmax.h"
+#include "flash_fwd/fp8/row_sum.h"
+#include "flash_fwd/fp8/v_mean.h"
+#include "flash_fwd/fp8/softmax.h"
 #include "flash_fwd/kernel_params.h"
 #include "flash_fwd/softmax.h"
-#include "flash_fwd/tail_split.h"
+#include "flash_fwd/fp8/tail_split.h"
 #include "flash_fwd/trace.h"
 #include "flash_fwd/wgmma.h"
 
@@ -110,8 +110,8 @@ struct NoPingPong {
 
 // The fp8 kernel (Traits::kFp8) differs in a few `if constexpr` places only, so the 16-bit code
 // path is exactly what it was: S is descaled per column (k_scale) and per row (q_scale, folded
-// into the exp2 FFMA), P is 2^6-shifted and packed into e4m3 in place (fp8_softmax.h,
-// fp8_layout.h), and O is divided by 2^6 * rowsum and multiplied by v_scale.
+// into the exp2 FFMA), P is 2^6-shifted and packed into e4m3 in place (fp8/softmax.h,
+// fp8/layout.h), and O is divided by 2^6 * rowsum and multiplied by v_scale.
 template <class Traits>
 __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
                                              typename Traits::SharedStorage& ss, int thread_idx) {
@@ -158,7 +158,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   // K/V stages) lets the producer load the next tile's Q under this tile's last softmax, PV GEMM
   // and epilogue. Otherwise the epilogue releases Q's buffer after the TMA store of O.
   const bool early_q_release = p.early_q_release();
-  // fp8: the row sums' GEMM state (fp8_row_sum.h); empty for 16-bit types.
+  // fp8: the row sums' GEMM state (fp8/row_sum.h); empty for 16-bit types.
   TensorRowSum<Traits, kFp8> row_sums(ss, thread_idx);
   auto release_q_after_last_s = [&](int n_block, const BlockRange& range) {
     if (early_q_release && n_block == range.n_min) release_stage(&ss.q_empty);
@@ -174,7 +174,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     const ItemBlocks work =
         item_blocks<Traits::kTailSplit>(p.scheduler, index, kBlockM, kBlockN, sc);
     const TileCoord c = work.tile;
-    // Tail-split pieces (tail_split.h): the blocks this item visits; those >= max_only_from (the
+    // Tail-split pieces (fp8/tail_split.h): the blocks this item visits; those >= max_only_from (the
     // low piece's top blocks) only advance the row maxima.
     const PieceRange piece = work.piece;
     const BlockRange range = piece.visit;
@@ -203,7 +203,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
       stage_v_mean(ss.v_mean, p.v_mean + bh_k * sc.d, sc.d, thread_idx);
     }
     // Block n_block's kKeyGroups group scales are slots kKeyGroups * n_block.. of k_col's row,
-    // padded with 1 to whole blocks (fp8_vt.h, fp8_k_col_entry): one 16-byte load, no bounds
+    // padded with 1 to whole blocks (fp8/vt.h, fp8_k_col_entry): one 16-byte load, no bounds
     // test but the tile's (it replaced four guarded loads: ~30 instructions a block). The
     // look-ahead past the tile's first block reloads that block; a tile that sees no key (s_k = 0:
     // k_col may be empty) loads nothing. Generic block sizes: all 1 (descale_columns).

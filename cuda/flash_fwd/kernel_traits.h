@@ -62,11 +62,11 @@ struct KernelTraits {
   // cheaper): d64 period 4 / 3 / 2 422-425 / 429-431 / 407-410 TFLOP/s vs 462-464 without; d128
   // period 4 581-586 vs 607-612.
   static constexpr int kExp2FmaPeriod = 0;
-  // PV issued k-step by k-step under the exp2 pass (fp8_traits.h): d256 606-610 TFLOP/s vs
+  // PV issued k-step by k-step under the exp2 pass (fp8/traits.h): d256 606-610 TFLOP/s vs
   // 622-623 without (kernel alone, 8k, H200, 2026-12-01). Not taken; the ping-pong stays.
   static constexpr bool kPipelinedPv = false;
   static constexpr bool kPingPong = true;
-  static constexpr bool kTailSplit = false;  // tail_split.h: fp8 kernels only
+  static constexpr bool kTailSplit = false;  // fp8/tail_split.h: fp8 kernels only
   static constexpr int kNumConsumerWarpGroups = kBlockM / 64;
   static constexpr int kNumThreads = 128 * (kNumConsumerWarpGroups + 1);  // + producer WG
   static constexpr int kNumConsumerThreads = 128 * kNumConsumerWarpGroups;

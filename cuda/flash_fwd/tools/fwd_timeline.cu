@@ -28,18 +28,18 @@
 #include <string>
 #include <vector>
 
-#include "flash_fwd/fp8_launch.h"
+#include "flash_fwd/fp8/launch.h"
 #include "flash_fwd/launch.h"
 
 #ifndef TOOL_HDIM
 #define TOOL_HDIM 128
 #endif
-// fp8: rows per tile; the library picks d128's per call (flash_fwd_fp8.h, fp8_block_m), the tool
+// fp8: rows per tile; the library picks d128's per call (fp8/flash_fwd_fp8.h, fp8_block_m), the tool
 // times the one it was built with and says when the library would pick the other.
 #ifndef TOOL_BLOCK_M
 #define TOOL_BLOCK_M jax_fa3::fp8_default_block_m(TOOL_HDIM)
 #endif
-// flash_fwd_fp8.h / flash_fwd.h declare the instantiations extern; this tool compiles its own.
+// fp8/flash_fwd_fp8.h / flash_fwd.h declare the instantiations extern; this tool compiles its own.
 #ifdef TOOL_BF16
 template cudaError_t jax_fa3::run_flash_fwd<TOOL_HDIM, jax_fa3::DType::kBFloat16>(
     const jax_fa3::FlashFwdParams&, cudaStream_t);
@@ -310,7 +310,7 @@ int main(int argc, char** argv) {
     const int kRows = 24;
     for (int t = 0; t < kRows; ++t) {
       // Every 4th row from the last (batch, head): the last tiles, split in two pieces where the
-      // last round is short (tail_split.h).
+      // last round is short (fp8/tail_split.h).
       const bool last_tiles = t % 4 == 1;
       const int bi = last_tiles ? b - 1 : pick_b(rng), hi = last_tiles ? h - 1 : pick_h(rng);
       const int row = t == 0 ? s - 1 : pick_row(rng);

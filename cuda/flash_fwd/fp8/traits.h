@@ -5,8 +5,8 @@
 // Differences from the 16-bit traits:
 // - Element e4m3, ElementOut bf16; k32 GMMA atoms (QGMMA) for both GEMMs.
 // - fp8 wgmma needs both shared-memory operands K-major. For O += P V the K dimension is the keys,
-//   so V arrives from a transposed copy Vt (b, h_k, d, s_pad) made by a pre-pass (fp8_vt.h) with
-//   the keys permuted inside groups of 32 (fp8_layout.h), and its smem tile is (d, kBlockN)
+//   so V arrives from a transposed copy Vt (b, h_k, d, s_pad) made by a pre-pass (fp8/vt.h) with
+//   the keys permuted inside groups of 32 (fp8/layout.h), and its smem tile is (d, kBlockN)
 //   keys-contiguous. P stays in registers (RS form).
 // - O (bf16) cannot be staged in Q's fp8 buffer (half the bytes): it has its own buffer.
 #pragma once
@@ -15,7 +15,7 @@
 #include <cute/atom/mma_atom.hpp>
 #include <cutlass/numeric_types.h>
 
-#include "flash_fwd/flash_fwd_fp8.h"
+#include "flash_fwd/fp8/flash_fwd_fp8.h"
 #include "flash_fwd/kernel_traits.h"
 
 namespace jax_fa3::fwd {
@@ -53,7 +53,7 @@ constexpr auto smem_atom_k_major_bytes() {
 
 // kBlockM: 128 (two consumer warpgroups, 240 registers each) or 192 (three, 160 registers, so
 // no intra-warpgroup overlap); the default per bucket and d128's choice per call are in
-// flash_fwd_fp8.h (fp8_default_block_m, fp8_block_m). Measured on the H200 (kernel alone,
+// fp8/flash_fwd_fp8.h (fp8_default_block_m, fp8_block_m). Measured on the H200 (kernel alone,
 // cuda/flash_fwd/tools/fwd_timeline.cu, benchmarks/RESULTS.md): d64 192x128 444 TFLOP/s vs
 // 128x128 380 at 8k (fifth session). d128 192x128 in the plain order with the pipelined PV
 // (kPipelinedPv; 12 bytes spilled then) vs 128x128 with the overlap (eleventh
@@ -73,7 +73,7 @@ struct Fp8KernelTraits {
   static constexpr int kBlockM = kBlockM_;
   static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroups");
   static constexpr int kBlockN = BlockNFp8<kHeadDim>::value;
-  static_assert(kBlockN == kFp8BlockN, "flash_fwd_fp8.h sizes the workspace with kFp8BlockN");
+  static_assert(kBlockN == kFp8BlockN, "fp8/flash_fwd_fp8.h sizes the workspace with kFp8BlockN");
   static constexpr int kStages = 2;
   static constexpr int kNumConsumerWarpGroups = kBlockM / 64;
   // As for 16-bit: S(n) + P(n+1) + O live together only where O is small enough, and only with
@@ -92,7 +92,7 @@ struct Fp8KernelTraits {
   // MUFU-bound (session 5 found the same at d128).
   static constexpr int kExp2FmaPeriod = kHeadDim == 64 ? 4 : 0;
   // The row max's quad reduction and O correction only when some row of the warp jumps past the
-  // lazy margin (fp8_softmax.h, update_max). Kernel alone, 192-row d128 (H200, eighteenth
+  // lazy margin (fp8/softmax.h, update_max). Kernel alone, 192-row d128 (H200, eighteenth
   // session, alternated): 8k +0.9%, causal 8k +2%, 2k +5% (ptxas spills 4 bytes: one LDL per
   // block); d256 even (not taken); d64 and d128's 128-row kernel -12% (nineteenth session).
   static constexpr bool kReduceMaxOnJump = kHeadDim == 128 && kNumConsumerWarpGroups == 3;
@@ -105,7 +105,7 @@ struct Fp8KernelTraits {
   // PV issued in 2 or 4 pieces between parts of the exp2 pass (736-753), bf16 d256 (606-610 vs 622).
   static constexpr bool kPipelinedPv = !kIntraWgOverlap;
   static constexpr bool kPingPong = !kPipelinedPv;
-  // The last round's tiles split in two pieces over two CTAs each (tail_split.h): only in the
+  // The last round's tiles split in two pieces over two CTAs each (fp8/tail_split.h): only in the
   // plain order (the intra-warpgroup overlap's first block and ping-pong turns assume whole tiles).
   static constexpr bool kTailSplit = kPipelinedPv;
   static constexpr int kNumThreads = 128 * (kNumConsumerWarpGroups + 1);
@@ -136,7 +136,7 @@ struct Fp8KernelTraits {
                            GMMA::Major::K, GMMA::Major::K>(),
       Layout<Shape<Int<kNumConsumerWarpGroups>, _1, _1>>{}));
 
-  // Row sums = P x selector (fp8_row_sum.h): a 64x8 accumulator per warpgroup.
+  // Row sums = P x selector (fp8/row_sum.h): a 64x8 accumulator per warpgroup.
   using TiledMmaRowSum = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, _8, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::K>(),
@@ -165,7 +165,7 @@ struct Fp8KernelTraits {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
     alignas(1024) cute::array_aligned<ElementOut, cosize_v<SmemLayoutO>, 1024> o;
-    // The row-sum GEMM's 0/1 B operand (fp8_row_sum.h), written once by kernel.h
+    // The row-sum GEMM's 0/1 B operand (fp8/row_sum.h), written once by kernel.h
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutRowSumSelector>, 1024>
         row_sum_selector;
     uint64_t q_full;
@@ -174,15 +174,15 @@ struct Fp8KernelTraits {
     uint64_t k_empty[kStages];
     uint64_t v_full[kStages];
     uint64_t v_empty[kStages];
-    int tail_ticket;  // the tail split's ticket, broadcast to the consumers (tail_split.h)
-    // The tile's v_mean (fp8_v_mean.h), loaded by cp.async at tile start so that the epilogue
+    int tail_ticket;  // the tail split's ticket, broadcast to the consumers (fp8/tail_split.h)
+    // The tile's v_mean (fp8/v_mean.h), loaded by cp.async at tile start so that the epilogue
     // reads shared memory instead of waiting on L2. One copy: the consumer warpgroups share the
     // tile, and d256's shared memory is nearly full.
     alignas(16) float v_mean[kHeadDim];
   };
   // O has its own buffer (bf16: twice Q's fp8 bytes), so Q's buffer may be released after a
   // tile's last S GEMM (consumer.h); whether it is, is chosen per call (KernelParams::
-  // early_q_release, flash_fwd_fp8.h: fp8_early_q_release). Otherwise q_empty waits for the TMA
+  // early_q_release, fp8/flash_fwd_fp8.h: fp8_early_q_release). Otherwise q_empty waits for the TMA
   // store of O, which also keeps the O buffer from being overwritten by the next tile before the
   // store has read it (epilogue.h). kEarlyQReleasePerCall: whether this kernel reads the per-call
   // flag at all.

@@ -56,7 +56,7 @@ __device__ __forceinline__ void add_v_mean(FragO& o, const float* mean, int col0
     for (int r = 0; r < 2; ++r) {
       if (inv_sum[r] == 0.f) continue;
       // __fadd_rn: not contracted with the normalization's product into an FMA, so that the
-      // tail split's merge (tail_split.h), which rounds both, writes the same bits.
+      // tail split's merge (fp8/tail_split.h), which rounds both, writes the same bits.
       o(4 * v + 2 * r) = __fadd_rn(o(4 * v + 2 * r), m.x);
       o(4 * v + 2 * r + 1) = __fadd_rn(o(4 * v + 2 * r + 1), m.y);
     }

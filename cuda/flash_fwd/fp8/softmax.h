@@ -1,12 +1,12 @@
 // fp8-only pieces of the consumer: score descaling, the online softmax with per-row scales and
-// the 2^6 shift of P, and P -> packed e4m3 A-operand registers (layout: fp8_layout.h).
+// the 2^6 shift of P, and P -> packed e4m3 A-operand registers (layout: fp8/layout.h).
 #pragma once
 #include "flash_fwd/cute_config.h"
 #include <cmath>
 #include <cstdint>
 #include <cute/tensor.hpp>
 
-#include "flash_fwd/fp8_layout.h"
+#include "flash_fwd/fp8/layout.h"
 #include "flash_fwd/softmax.h"
 
 namespace jax_fa3::fwd {
@@ -51,7 +51,7 @@ __device__ __forceinline__ void descale_columns(Frag& s, const float* __restrict
 
 // kGroups k-scale groups of 32 keys per tile (flat S indices 16g..16g+15 are group g: 8-column
 // chunks 4g..4g+3). kReduceMaxOnJump: see update_max(). The row sums are not taken here but on
-// the tensor cores (TensorRowSum, fp8_row_sum.h), which hands them over with set_row_sums()
+// the tensor cores (TensorRowSum, fp8/row_sum.h), which hands them over with set_row_sums()
 // before finalize() or the tail split reads them.
 template <int kGroups, bool kReduceMaxOnJump = false>
 struct Fp8OnlineSoftmax {
@@ -116,7 +116,7 @@ struct Fp8OnlineSoftmax {
       // the warp jumps, every row keeps its max and the correction is exactly 1 (0 for a row that
       // has seen only -inf, whose row sum is 0 already), as reduce_row would find, without its
       // quad shuffles and two exp2. With the 2.8 margin almost no block jumps
-      // after a row's first. Only in d128's 192-row kernel (fp8_traits.h, measured there).
+      // after a row's first. Only in d128's 192-row kernel (fp8/traits.h, measured there).
       float tile_max[2];
       bool jumps = false;
 #pragma unroll
@@ -180,7 +180,7 @@ __device__ __forceinline__ uint32_t cvt_e4m3x2(float lo, float hi) {
 }
 
 // P (fp32 in the S accumulator) -> e4m3 A-operand registers of the PV wgmma, in place order (see
-// fp8_layout.h: the key permutation lives in the transposed V). tOrP: the A fragment (16 e4m3
+// fp8/layout.h: the key permutation lives in the transposed V). tOrP: the A fragment (16 e4m3
 // per k32 step, register-major), same element count as tSrS.
 // [kStepBegin, kStepEnd): the k32 steps to convert.
 template <int kStepBegin, int kStepEnd, class FragS, class FragP>

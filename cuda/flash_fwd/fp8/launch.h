@@ -9,9 +9,9 @@
 #include <cute/tensor.hpp>
 
 #include "common/cuda_check.h"
-#include "flash_fwd/flash_fwd_fp8.h"
-#include "flash_fwd/fp8_traits.h"
-#include "flash_fwd/fp8_vt.h"
+#include "flash_fwd/fp8/flash_fwd_fp8.h"
+#include "flash_fwd/fp8/traits.h"
+#include "flash_fwd/fp8/vt.h"
 #include "flash_fwd/kernel.h"
 #include "flash_fwd/launch.h"
 

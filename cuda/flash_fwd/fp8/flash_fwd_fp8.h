@@ -10,11 +10,11 @@ namespace jax_fa3 {
 
 struct FlashFwdFp8Params {
   // q8 (b, s_q, h, d), k8 (b, s_k, h_k, d) e4m3, contiguous; v8 (b, s_k, h_k, d) e4m3, or with
-  // v_transposed already in the kernel's layout Vt (b, h_k, d, s_pad) (fp8_vt.h: keys permuted
+  // v_transposed already in the kernel's layout Vt (b, h_k, d, s_pad) (fp8/vt.h: keys permuted
   // per 32, zero past s_k; the rotate + quantize pass writes it); o (b, s_q, h, d) bf16;
   // lse (b, h, s_q) f32; q_scale (b, h, ceil(s_q / block_size)), k_scale (b, h_k,
   // ceil(s_k / block_size)), v_scale (b, h_k) f32; v_mean (b, h_k, d) f32: what V was centred by
-  // before its quantization (added back to every row that sees a key: fp8_v_mean.h).
+  // before its quantization (added back to every row that sees a key: fp8/v_mean.h).
   const void* q;
   const void* k;
   const void* v;
@@ -31,7 +31,7 @@ struct FlashFwdFp8Params {
   float softmax_scale;
   int window_left;   // -1 = unbounded
   int window_right;  // -1 = unbounded; causal arrives as 0
-  // Split the last round's tiles over two CTAs each where the workspace has room (tail_split.h).
+  // Split the last round's tiles over two CTAs each where the workspace has room (fp8/tail_split.h).
   // Off only to time the kernel without it (tools/fwd_timeline.cu).
   bool tail_split = true;
 };
@@ -70,7 +70,7 @@ inline int fp8_head_dim_bucket(int d) {
   return 0;
 }
 
-// Rows per tile (kBlockM) of each bucket's fp8 kernels (fp8_traits.h says why): 192 = three
+// Rows per tile (kBlockM) of each bucket's fp8 kernels (fp8/traits.h says why): 192 = three
 // consumer warpgroups with the PV GEMM pipelined under the exp2 pass, 128 = two. d128 has both
 // and picks per call (fp8_block_m).
 constexpr int fp8_default_block_m(int bucket) { return bucket == 256 ? 128 : 192; }
@@ -108,10 +108,10 @@ inline bool fp8_early_q_release(int bucket, int block_m, const FlashFwdFp8Params
   return fp8_may_release_q_early(bucket, block_m) && p.s_k <= kFp8EarlyQReleaseMaxSeqlenK;
 }
 
-// Keys per K/V block of every fp8 kernel (fp8_traits.h, BlockNFp8).
+// Keys per K/V block of every fp8 kernel (fp8/traits.h, BlockNFp8).
 constexpr int kFp8BlockN = 128;
 
-// Tail split (tail_split.h): at most this many tiles of a last round are split, half of an
+// Tail split (fp8/tail_split.h): at most this many tiles of a last round are split, half of an
 // H100's or H200's 132 SMs (a split needs two CTAs per tile); and at most a third of the call's
 // tiles (a split round follows at least one full round of as many CTAs as twice its tiles).
 constexpr int kFp8TailSplitMaxTiles = 66;
@@ -129,13 +129,13 @@ inline int64_t fp8_tail_split_slots(int64_t b, int64_t s_q, int64_t s_k, int64_t
 }
 
 // One slot: the partial O of a piece in fp32 (the consumer fragments, block_m x bucket) and four
-// floats of row statistics per consumer thread (2 * block_m threads): tail_split.h,
+// floats of row statistics per consumer thread (2 * block_m threads): fp8/tail_split.h,
 // TailSlotLayout.
 inline int64_t fp8_tail_split_slot_bytes(int bucket) {
   return int64_t(fp8_default_block_m(bucket)) * (4 * bucket + 32);
 }
 
-// The split tiles' tickets (one int each, tail_split.h), padded to 16 bytes.
+// The split tiles' tickets (one int each, fp8/tail_split.h), padded to 16 bytes.
 inline int64_t fp8_tail_split_ticket_bytes(int64_t slots) { return (slots / 2 * 4 + 15) / 16 * 16; }
 
 // Workspace, in this order: Vt (b, h_k, d, s_pad) e4m3 unless V arrives transposed; the per-key
@@ -155,7 +155,7 @@ inline size_t flash_fwd_fp8_workspace_bytes(int64_t b, int64_t s_q, int64_t s_k,
 }
 
 // One specialization per cuda/instantiations/flash_fwd_hdim<D>_e4m3*.cu. The extern declarations
-// keep every other translation unit that sees the template's definition (fp8_launch.h) from
+// keep every other translation unit that sees the template's definition (fp8/launch.h) from
 // instantiating all buckets through launch_flash_fwd_fp8 below: each instantiation file then
 // compiles its own kernel only.
 template <int kHeadDim, int kBlockM>
