@@ -183,7 +183,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     // (batch, kv-head)'s per-key k scales and its v scale.
     [[maybe_unused]] float row_scale[2];
     [[maybe_unused]] const float* col_scale = nullptr;
-    [[maybe_unused]] float v_scale = 1.f;
+    float v_scale = 1.f;
     // fp8 only: k scales of the kKeyGroups 32-key groups of the block being finished (ks_cur)
     // and of the next block (ks_next), loaded one block ahead so that their L2 latency hides
     // behind a whole block; all 1 for generic block sizes (descale_columns instead).
@@ -243,7 +243,8 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
       if constexpr (kFp8) return Traits::kReduceMaxOnJump;
       else return false;
     }();
-    std::conditional_t<kFp8, Fp8OnlineSoftmax<kKeyGroups, kReduceMaxOnJump>, OnlineSoftmax> softmax;
+    std::conditional_t<kFp8, Fp8OnlineSoftmax<kKeyGroups, kReduceMaxOnJump>, RowOnlineSoftmax>
+        softmax;
     softmax.reset();
     row_sums.clear();
     float correction[2];
@@ -450,11 +451,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     }
 
     float inv_sum[2], lse[2];
-    if constexpr (kFp8) {
-      softmax.finalize(v_scale, inv_sum, lse);
-    } else {
-      softmax.finalize(sc.scale_log2, inv_sum, lse);
-    }
+    softmax.finalize(sc.scale_log2, v_scale, inv_sum, lse);
     rescale_rows(tOrO, inv_sum);
     if constexpr (kFp8) {
       wait_v_mean<Traits::kNumConsumerThreads>();

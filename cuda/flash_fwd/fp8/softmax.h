@@ -49,128 +49,72 @@ __device__ __forceinline__ void descale_columns(Frag& s, const float* __restrict
   }
 }
 
-// kGroups k-scale groups of 32 keys per tile (flat S indices 16g..16g+15 are group g: 8-column
-// chunks 4g..4g+3). kReduceMaxOnJump: see update_max(). The row sums are not taken here but on
-// the tensor cores (TensorRowSum, fp8/row_sum.h), which hands them over with set_row_sums()
-// before finalize() or the tail split reads them.
-template <int kGroups, bool kReduceMaxOnJump = false>
-struct Fp8OnlineSoftmax {
-  // Running max of the scaled scores (log2 domain: score * softmax_scale * log2 e * q_scale *
-  // k_scale), quad-uniform, and this thread's share of the row's sum of 2^6 * P8 (the quad sum
-  // happens in finalize()).
-  float row_max[2];
-  float row_sum[2];
+// The fp8 scaling policy of OnlineSoftmax (softmax.h). kGroups k-scale groups of 32 keys per
+// tile (flat S indices 16g..16g+15 are group g: 8-column chunks 4g..4g+3); the coefficient of an
+// element is coef[r][g] = row scale of row r * k scale of group g (> 0, so maxima commute with it):
+// the max is taken per (row, group) on the raw scores, then scaled, 2 * kGroups FMULs per tile
+// instead of one per element and kGroups independent FMNMX chains per row. The running max is
+// kept in log2 units (score * softmax_scale * log2 e * q_scale * k_scale) and is lazy (margin
+// above); P is shifted by 2^6. The row sums are not taken here but on the tensor cores
+// (TensorRowSum, fp8/row_sum.h), which hands them over with set_row_sums() before finalize() or
+// the tail split reads them. kReduceMaxOnJump: the row max's quad reduction and O correction
+// only when some row of the warp jumps past the margin (OnlineSoftmax::update_max).
+template <int kGroups, bool kReduceMaxOnJump_ = false>
+struct KeyGroupScaling {
+  using Coef = float[2][kGroups];
+  static constexpr float kOffsetLog2 = kFp8POffsetLog2;
+  static constexpr bool kLazyMax = true;
+  static constexpr float kMaxMarginLog2 = kFp8LazyMaxMarginLog2;
+  static constexpr bool kReduceMaxOnJump = kReduceMaxOnJump_;
+  static constexpr bool kSumsRows = false;
+  static constexpr int kRangeAlign = 16;  // whole k32 steps
 
-  __device__ __forceinline__ void reset() {
-    row_max[0] = row_max[1] = -INFINITY;
-    row_sum[0] = row_sum[1] = 0.f;
-  }
-
-  // s (raw or column-descaled scores; masked ones -inf) -> 2^6 * exp2(s * coef - max) in place.
-  // coef[r][g] = row scale of row r * k scale of group g (> 0, so maxima commute with it): the
-  // max is taken per (row, group) on the raw scores, then scaled: 2 * kGroups FMULs per tile
-  // instead of one per element, and kGroups independent FMNMX chains per row.
-  // One update is update_max() then exponentiate() (two calls so that the timeline of trace.h
-  // can stamp between them). This half: the new row maxima, the O correction and the exp2 shift.
+  // The maxima per (row, group) of the block's raw scores; row_tile_max scales them and folds in
+  // the running max.
+  struct BlockMax {
+    float group[2][kGroups];
+  };
   template <typename Frag>
-  __device__ __forceinline__ void update_max(Frag const& s, const float (&coef)[2][kGroups],
-                                             float (&correction)[2], float (&shift)[2]) {
+  __device__ __forceinline__ static BlockMax block_max(Frag const& s, const float (&)[2]) {
     static_assert(decltype(cute::size(s))::value == 16 * kGroups);
-    float group_max[2][kGroups];
+    BlockMax m;
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
       // Each row's chain starts at its first element (16 g + 2 r), not at -inf: one FMNMX less
       // per chain. fmaxf drops a NaN either way, so an all-NaN group gives NaN, which the
       // fmaxf of row_tile_max drops as it dropped -inf.
-      group_max[0][g] = s(16 * g);
-      group_max[1][g] = s(16 * g + 2);
+      m.group[0][g] = s(16 * g);
+      m.group[1][g] = s(16 * g + 2);
 #pragma unroll
       for (int i = 16 * g; i < 16 * g + 16; ++i) {
         if (i == 16 * g || i == 16 * g + 2) continue;
-        group_max[frag_row(i)][g] = fmaxf(group_max[frag_row(i)][g], s(i));
+        m.group[frag_row(i)][g] = fmaxf(m.group[frag_row(i)][g], s(i));
       }
     }
-    // The quad's row max, kept unless it exceeds the running max by more than the margin; the O
-    // correction and the exp2 shift.
-    auto reduce_row = [&](int r, float tile_max) {
-      float new_max = quad_max(tile_max);
-      // -inf - -inf is NaN: a row that has seen only -inf keeps -inf.
-      if (!(new_max - row_max[r] > kFp8LazyMaxMarginLog2)) new_max = row_max[r];
-      // A row that has seen only -inf so far keeps a finite base so that exp2 gives 0, not NaN.
-      const float base = new_max == -INFINITY ? 0.f : new_max;
-      correction[r] = exp2f(row_max[r] - base);
-      row_max[r] = new_max;
-      shift[r] = base - kFp8POffsetLog2;
-    };
-    auto row_tile_max = [&](int r) {
-      float tile_max = row_max[r];
-#pragma unroll
-      for (int g = 0; g < kGroups; ++g) tile_max = fmaxf(tile_max, group_max[r][g] * coef[r][g]);
-      return tile_max;
-    };
-    if constexpr (!kReduceMaxOnJump) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) reduce_row(r, row_tile_max(r));
-    } else {
-      // A quad's row max exceeds the margin only if one of its threads' does: when no thread of
-      // the warp jumps, every row keeps its max and the correction is exactly 1 (0 for a row that
-      // has seen only -inf, whose row sum is 0 already), as reduce_row would find, without its
-      // quad shuffles and two exp2. With the 2.8 margin almost no block jumps
-      // after a row's first. Only in d128's 192-row kernel (fp8/traits.h, measured there).
-      float tile_max[2];
-      bool jumps = false;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        tile_max[r] = row_tile_max(r);
-        jumps |= tile_max[r] - row_max[r] > kFp8LazyMaxMarginLog2;
-      }
-      if (__any_sync(0xffffffffu, jumps)) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) reduce_row(r, tile_max[r]);
-      } else {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const bool empty = row_max[r] == -INFINITY;
-          correction[r] = empty ? 0.f : 1.f;
-          shift[r] = (empty ? 0.f : row_max[r]) - kFp8POffsetLog2;
-        }
-      }
-    }
+    return m;
   }
-
-  // Second half: s -> 2^6 * exp2(s * coef - shift) in place.
-  // kExp2FmaPeriod: which exponentials run on the FMA pipe (exp2_fma.h).
-  // [kBegin, kEnd): the flat elements to do.
-  template <int kExp2FmaPeriod, int kBegin, int kEnd, typename Frag>
-  __device__ __forceinline__ void exponentiate(Frag& s, const float (&coef)[2][kGroups],
-                                               const float (&shift)[2]) {
-    static_assert(kBegin % 16 == 0 && kEnd % 16 == 0, "whole k32 steps");
+  __device__ __forceinline__ static float row_tile_max(const BlockMax& m, const Coef& coef,
+                                                       float row_max, int r) {
+    float tile_max = row_max;
 #pragma unroll
-    for (int i = kBegin; i < kEnd; ++i) {
-      s(i) = softmax_exp2<kExp2FmaPeriod>(s(i) * coef[frag_row(i)][i / 16] - shift[frag_row(i)], i);
-    }
+    for (int g = 0; g < kGroups; ++g) tile_max = fmaxf(tile_max, m.group[r][g] * coef[r][g]);
+    return tile_max;
   }
-
-  // This thread's share of the rows' sums of 2^6 * P as quantized (TensorRowSum::hand_over);
-  // finalize() and the tail split's merge add the quad's shares up.
-  __device__ __forceinline__ void set_row_sums(const float (&mine)[2]) {
-    row_sum[0] = mine[0];
-    row_sum[1] = mine[1];
+  // The running max is in log2 units already.
+  template <typename Scale>
+  __device__ __forceinline__ static float max_log2(float max, const Scale&) {
+    return max;
   }
-
-  // inv_sum = v_scale / (2^6 * rowsum) (0 for a row that saw no key); LSE natural log, +inf for
-  // such a row.
-  __device__ __forceinline__ void finalize(float v_scale, float (&inv_sum)[2], float (&lse)[2]) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float sum = quad_sum(row_sum[r]);
-      const bool empty = sum == 0.f || sum != sum;
-      inv_sum[r] = empty ? 0.f : v_scale / sum;
-      lse[r] = empty ? INFINITY
-                     : (row_max[r] + __log2f(sum) - kFp8POffsetLog2) * 0.6931471805599453f;
-    }
+  __device__ __forceinline__ static float exp2_coef(const Coef& coef, int r, int i) {
+    return coef[r][i / 16];
+  }
+  // O's factor v_scale / (2^6 * row sum): the row sum is that of 2^6 * P.
+  __device__ __forceinline__ static float normalizer(float v_scale, float sum) {
+    return v_scale / sum;
   }
 };
+template <int kGroups, bool kReduceMaxOnJump = false>
+using Fp8OnlineSoftmax = OnlineSoftmax<KeyGroupScaling<kGroups, kReduceMaxOnJump>>;
 
 // Two fp32 -> packed e4m3x2 (round to nearest even, saturating): lo in bits 0..7, hi in 8..15.
 __device__ __forceinline__ uint32_t cvt_e4m3x2(float lo, float hi) {

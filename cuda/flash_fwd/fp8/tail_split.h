@@ -179,7 +179,8 @@ __device__ __forceinline__ void merge_tail_tile(const Params& p, int tile, const
   }
   const int kv_head = c.head / (sc.h / sc.h_k);
   float inv_sum[2], lse[2];
-  merged.finalize(__ldg(p.v_scale + int64_t(c.batch) * sc.h_k + kv_head), inv_sum, lse);
+  merged.finalize(sc.scale_log2, __ldg(p.v_scale + int64_t(c.batch) * sc.h_k + kv_head), inv_sum,
+                  lse);
 
   const FragCoord fc = FragCoord::of_thread(thread_idx % 128);
   const int row0 = c.m_block * kBlockM + 64 * (thread_idx / 128) + fc.row0;
