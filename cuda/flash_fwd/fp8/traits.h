@@ -10,19 +10,12 @@
 //   keys-contiguous. P stays in registers (RS form).
 // - O (bf16) cannot be staged in Q's fp8 buffer (half the bytes): it has its own buffer.
 #pragma once
-#include "flash_fwd/cute_config.h"
-#include <cute/tensor.hpp>
-#include <cute/atom/mma_atom.hpp>
-#include <cutlass/numeric_types.h>
-
 #include "flash_fwd/fp8/flash_fwd_fp8.h"
 #include "flash_fwd/kernel_traits.h"
 
 namespace jax_fa3::fwd {
 
-using namespace cute;
-
-// kBlockN per head dim for fp8. Registers per consumer thread (fp32 S kBlockN/2, e4m3 P kBlockN/8,
+// kBlockN (kFp8BlockN, fp8/flash_fwd_fp8.h) for every fp8 head dim. Registers per consumer thread (fp32 S kBlockN/2, e4m3 P kBlockN/8,
 // fp32 O d/2) and smem (Q kBlockM*d + 2 stages of K and Vt kBlockN*d, all 1 byte, + O bf16
 // kBlockM*d*2):
 //   d64 : 192x128  S 64 + P 16 + O  32 (plain)    12K + 2*2*8K  + 24K =  68 KB
@@ -33,23 +26,7 @@ using namespace cute;
 // TFLOP/s vs 128x96 866-876 (128x128 only fits since the k scales are per 32-key group: ptxas
 // 13.0 spills 16 bytes, README); d128 128x160 705 and 128x192 677 (both
 // spill) vs 128x128 731, 3 stages 736 (no gain). FA3 uses 192x160 / 128x224 / 128x128.
-template <int kHeadDim> struct BlockNFp8;
-template <> struct BlockNFp8<64> { static constexpr int value = 128; };
-template <> struct BlockNFp8<128> { static constexpr int value = 128; };
-template <> struct BlockNFp8<256> { static constexpr int value = 128; };
-
-// The widest GMMA K-major swizzle whose row (in bytes) divides `width` elements of Element.
-template <typename Element, int kWidth>
-constexpr auto smem_atom_k_major_bytes() {
-  constexpr int kBytes = kWidth * int(sizeof(Element));
-  if constexpr (kBytes % 128 == 0) {
-    return GMMA::Layout_K_SW128_Atom<Element>{};
-  } else if constexpr (kBytes % 64 == 0) {
-    return GMMA::Layout_K_SW64_Atom<Element>{};
-  } else {
-    return GMMA::Layout_K_SW32_Atom<Element>{};
-  }
-}
+static_assert(kFp8BlockN == 128, "the table above");
 
 // kBlockM: 128 (two consumer warpgroups, 240 registers each) or 192 (three, 160 registers, so
 // no intra-warpgroup overlap); the default per bucket and d128's choice per call are in
@@ -64,18 +41,19 @@ constexpr auto smem_atom_k_major_bytes() {
 // 128x192 / 128x224 with the next S GEMM issued right after the PV k-steps 742 / 773-778 / 747
 // (eleventh session).
 template <int kHeadDim_, int kBlockM_ = fp8_default_block_m(kHeadDim_)>
-struct Fp8KernelTraits {
-  using Element = cutlass::float_e4m3_t;
+struct Fp8KernelTraits
+    : ForwardTraitsBase<kHeadDim_, cutlass::float_e4m3_t, kBlockM_, kFp8BlockN> {
+  using Base = ForwardTraitsBase<kHeadDim_, cutlass::float_e4m3_t, kBlockM_, kFp8BlockN>;
+  using typename Base::Element;
+  using typename Base::ElementAccum;
+  using Base::kBlockM;
+  using Base::kBlockN;
+  using Base::kHeadDim;
+  using Base::kNumConsumerWarpGroups;
+  using Base::kStages;
   using ElementOut = cutlass::bfloat16_t;
-  using ElementAccum = float;
   static constexpr bool kFp8 = true;
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = kBlockM_;
   static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroups");
-  static constexpr int kBlockN = BlockNFp8<kHeadDim>::value;
-  static_assert(kBlockN == kFp8BlockN, "fp8/flash_fwd_fp8.h sizes the workspace with kFp8BlockN");
-  static constexpr int kStages = 2;
-  static constexpr int kNumConsumerWarpGroups = kBlockM / 64;
   // As for 16-bit: S(n) + P(n+1) + O live together only where O is small enough, and only with
   // two consumer warpgroups (240 registers each; three get 160).
   static constexpr bool kIntraWgOverlap = kHeadDim <= 128 && kNumConsumerWarpGroups == 2;
@@ -108,11 +86,8 @@ struct Fp8KernelTraits {
   // The last round's tiles split in two pieces over two CTAs each (fp8/tail_split.h): only in the
   // plain order (the intra-warpgroup overlap's first block and ping-pong turns assume whole tiles).
   static constexpr bool kTailSplit = kPipelinedPv;
-  static constexpr int kNumThreads = 128 * (kNumConsumerWarpGroups + 1);
-  static constexpr int kNumConsumerThreads = 128 * kNumConsumerWarpGroups;
   // setmaxnreg budget (65536 registers per SM): at most 128 * 24 + 256 * 240 (two consumer
   // warpgroups; d128 uses less, below) or 128 * 24 + 384 * 160 (three).
-  static constexpr int kProducerRegs = 24;
   // d128: capped at 208 although 240 fit. With the interval mask (softmax.h) ptxas has registers
   // to spare and issues the exp2 MUFUs back to back; they share the MIO queue with the other
   // warpgroup's QGMMA issue, which then stalls (ncu: MUFU mio stalls 5.9k -> 16k samples, S-wait
@@ -124,41 +99,24 @@ struct Fp8KernelTraits {
   static_assert(kBlockN % 32 == 0, "kBlockN is the K of the fp8 PV wgmma (k32 steps)");
   static_assert(kHeadDim % 32 == 0, "head dim is the K of the fp8 QK wgmma (k32 steps)");
 
-  using TileShape = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
-
-  // S = Q K^T: SS, both K-major (d contiguous).
-  using TiledMmaQK = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
-      Layout<Shape<Int<kNumConsumerWarpGroups>, _1, _1>>{}));
   // O += P Vt: P from registers, Vt (d, keys) K-major (keys contiguous).
-  using TiledMmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
-                           GMMA::Major::K, GMMA::Major::K>(),
-      Layout<Shape<Int<kNumConsumerWarpGroups>, _1, _1>>{}));
+  using TiledMmaPV = typename Base::template TiledMmaRs<kHeadDim, kBlockN, GMMA::Major::K>;
 
   // Row sums = P x selector (fp8/row_sum.h): a 64x8 accumulator per warpgroup.
-  using TiledMmaRowSum = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, _8, Int<kBlockN>>,
-                           GMMA::Major::K, GMMA::Major::K>(),
-      Layout<Shape<Int<kNumConsumerWarpGroups>, _1, _1>>{}));
+  using TiledMmaRowSum = typename Base::template TiledMmaRs<8, kBlockN, GMMA::Major::K>;
 
-  using SmemAtomQK = decltype(smem_atom_k_major_bytes<Element, kHeadDim>());
-  using SmemAtomVt = decltype(smem_atom_k_major_bytes<Element, kBlockN>());
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQK{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemLayoutK = decltype(tile_to_shape(
-      SmemAtomQK{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using typename Base::SmemLayoutQ;
+  using typename Base::SmemLayoutK;
+  using SmemAtomVt = decltype(smem_atom_k_major<Element, kBlockN>());
   // (d, kBlockN, stage), keys contiguous: TMA destination and the PV GEMM's B operand.
   using SmemLayoutVt = decltype(tile_to_shape(
       SmemAtomVt{}, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}));
   using SmemLayoutV = SmemLayoutVt;
-  using SmemLayoutO = decltype(tile_to_shape(smem_atom_k_major_bytes<ElementOut, kHeadDim>(),
+  using SmemLayoutO = decltype(tile_to_shape(smem_atom_k_major<ElementOut, kHeadDim>(),
                                              Shape<Int<kBlockM>, Int<kHeadDim>>{}));
 
   using SmemLayoutRowSumSelector =
       decltype(tile_to_shape(SmemAtomVt{}, Shape<_8, Int<kBlockN>>{}));
-
-  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> q;
