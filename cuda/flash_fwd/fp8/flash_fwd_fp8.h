@@ -6,31 +6,26 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "flash_fwd/params.h"
+
 namespace jax_fa3 {
 
-struct FlashFwdFp8Params {
+// The 16-bit call's fields (params.h: q, k, v, o, lse, the sizes, softmax_scale and the window;
+// dtype and softcap are not read) and the fp8 call's own.
+struct FlashFwdFp8Params : FlashFwdParams {
   // q8 (b, s_q, h, d), k8 (b, s_k, h_k, d) e4m3, contiguous; v8 (b, s_k, h_k, d) e4m3, or with
   // v_transposed already in the kernel's layout Vt (b, h_k, d, s_pad) (fp8/vt.h: keys permuted
   // per 32, zero past s_k; the rotate + quantize pass writes it); o (b, s_q, h, d) bf16;
   // lse (b, h, s_q) f32; q_scale (b, h, ceil(s_q / block_size)), k_scale (b, h_k,
   // ceil(s_k / block_size)), v_scale (b, h_k) f32; v_mean (b, h_k, d) f32: what V was centred by
   // before its quantization (added back to every row that sees a key: fp8/v_mean.h).
-  const void* q;
-  const void* k;
-  const void* v;
   const float* q_scale;
   const float* k_scale;
   const float* v_scale;
   const float* v_mean;
-  void* o;
-  float* lse;
   void* workspace;  // flash_fwd_fp8_workspace_bytes(b, h_k, s_k, d, v_transposed), 16-byte aligned
   bool v_transposed;
-  int b, s_q, s_k, h, h_k, d;
   int block_size;
-  float softmax_scale;
-  int window_left;   // -1 = unbounded
-  int window_right;  // -1 = unbounded; causal arrives as 0
   // Split the last round's tiles over two CTAs each where the workspace has room (fp8/tail_split.h).
   // Off only to time the kernel without it (tools/fwd_timeline.cu).
   bool tail_split = true;
@@ -108,7 +103,7 @@ inline bool fp8_early_q_release(int bucket, int block_m, const FlashFwdFp8Params
   return fp8_may_release_q_early(bucket, block_m) && p.s_k <= kFp8EarlyQReleaseMaxSeqlenK;
 }
 
-// Keys per K/V block of every fp8 kernel (fp8/traits.h, BlockNFp8).
+// Keys per K/V block of every fp8 kernel (fp8/traits.h).
 constexpr int kFp8BlockN = 128;
 
 // Tail split (fp8/tail_split.h): at most this many tiles of a last round are split, half of an
