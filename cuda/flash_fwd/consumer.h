@@ -127,7 +127,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   // warpgroup index that ptxas can see is warp-uniform (a shuffle from lane 0) lets it keep them
   // in uniform registers, instead of moving each one over by R2UR before every wgmma. fp8 only:
   // +2% there at d128; the bf16 kernel sliced so measured even at 8k and 1.7% slower causal
-  // (benchmarks/RESULTS.md, twenty-fifth session).
+  // (H200, 2026-12-03, benchmarks/RESULTS.md).
   const int qk_slice_thread =
       Traits::kFp8 ? 128 * __shfl_sync(0xffffffffu, thread_idx / 128, 0) : thread_idx;
   auto thr_qk = mma_qk.get_thread_slice(qk_slice_thread);
@@ -174,13 +174,14 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     const ItemBlocks work =
         item_blocks<Traits::kTailSplit>(p.scheduler, index, kBlockM, kBlockN, sc);
     const TileCoord c = work.tile;
-    // Tail-split pieces (fp8/tail_split.h): the blocks this item visits; those >= max_only_from (the
-    // low piece's top blocks) only advance the row maxima.
+    // Tail-split pieces (fp8/tail_split.h): the blocks this item visits; those >= max_only_from
+    // (the low piece's top blocks) only advance the row maxima.
     const PieceRange piece = work.piece;
     const BlockRange range = piece.visit;
     const int row_g = c.m_block * kBlockM + 64 * (thread_idx / 128) + fc.row0;
     // fp8 only: per-row exp2 scales (softmax_scale * log2 e * q_scale of the row's block), this
-    // (batch, kv-head)'s per-key k scales and its v scale.
+    // (batch, kv-head)'s per-key k scales and its v scale (1 for 16-bit types, which RowScaling
+    // does not read).
     [[maybe_unused]] float row_scale[2];
     [[maybe_unused]] const float* col_scale = nullptr;
     float v_scale = 1.f;

@@ -39,12 +39,12 @@ template <> struct ExtraParams<true> {
   int block_size;            // tokens per q/k scale
   int s_pad;                 // keys of Vt / k_col_scale rows (s_k rounded up to 32)
   int k_scale_grouped;       // block_size % 32 == 0: one k scale per 32-key group (fp8/softmax.h)
-  int early_q_release;       // release Q's buffer after each tile's last S GEMM (fp8/flash_fwd_fp8.h)
+  int early_q_release;       // Q's buffer released after a tile's last S GEMM (fp8/flash_fwd_fp8.h)
   float scale_log2;          // softmax_scale * log2(e)
-  float* tail_partials;      // the split tiles' pieces (fp8/tail_split.h; scheduler.num_split_tiles)
+  float* tail_partials;      // split tiles' pieces (fp8/tail_split.h; scheduler.num_split_tiles)
   // O (b, s_q, h, d) bf16: the tail merge writes split tiles directly. With v_mean the struct is
-  // 72 bytes and the TMA descriptors after it start at the next 64-byte boundary. An earlier
-  // field that did so made ptxas spill 8 bytes in the 128-row d128 kernel; its spills today are
+  // 72 bytes and the TMA descriptors after it start at the next 64-byte boundary; a field that
+  // pushed them past it made ptxas spill 8 bytes in the 128-row d128 kernel, whose spills are
   // pinned in tests/test_sass.py.
   void* out;
 };

@@ -47,7 +47,7 @@ constexpr auto smem_atom_k_major() {
 // rows), S = Q K^T, the shared-memory layouts of Q and K and the TMA byte counts. Each
 // SharedStorage states its own mbarrier block (the protocol: producer.h): as a nested struct
 // shared here it changed ptxas's barrier addressing in the 16-bit kernels (3 more uniform
-// instructions at d128).
+// instructions at d128; CUDA 13.0, 2026-12-04).
 template <int kHeadDim_, typename Element_, int kBlockM_, int kBlockN_>
 struct ForwardTraitsBase {
   using Element = Element_;
@@ -107,12 +107,12 @@ struct KernelTraits
   // against 632-635 without it (H200, 2026-12-01): always rescale here.
   static constexpr bool kSkipUnchangedRescale = false;
   // Every kExp2FmaPeriod-th softmax exponential on the FMA pipe instead of MUFU (exp2_fma.h):
-  // none. Kernel alone, 8k non-causal (H200, 2026-12-01, exp2_fma's first version, one FMUL
-  // cheaper): d64 period 4 / 3 / 2 422-425 / 429-431 / 407-410 TFLOP/s vs 462-464 without; d128
+  // none. Kernel alone, 8k non-causal (H200, 2026-12-01, with an exp2_fma one FMUL cheaper than
+  // today's): d64 period 4 / 3 / 2 422-425 / 429-431 / 407-410 TFLOP/s vs 462-464 without; d128
   // period 4 581-586 vs 607-612.
   static constexpr int kExp2FmaPeriod = 0;
   // PV issued k-step by k-step under the exp2 pass (fp8/traits.h): d256 606-610 TFLOP/s vs
-  // 622-623 without (kernel alone, 8k, H200, 2026-12-01). Not taken; the ping-pong stays.
+  // 622-623 without (kernel alone, 8k, H200, 2026-12-01): the ping-pong turns instead.
   static constexpr bool kPipelinedPv = false;
   static constexpr bool kPingPong = true;
   static constexpr bool kTailSplit = false;  // fp8/tail_split.h: fp8 kernels only
@@ -139,7 +139,7 @@ struct KernelTraits
   // Early Q release (consumer.h): O gets its own buffer, so Q's buffer is free once a tile's last
   // S GEMM completed and the next tile's Q loads under this tile's last softmax, PV GEMM and
   // epilogue. H200 kernel alone, same run: d128 (160 + 32 KB of smem; 2026-12-01) 618-619 vs
-  // 600-605 TFLOP/s non-causal 8k, 544-551 vs 542-543 causal 8k; d64 (96 + 16 KB; ninth session)
+  // 600-605 TFLOP/s non-causal 8k, 544-551 vs 542-543 causal 8k; d64 (96 + 16 KB; 2026-12-01)
   // 458 vs 455-456 non-causal 8k, 407-408 vs 401 causal 8k. d96 is not measured; d192/d256 have
   // no room for O and stage it in Q's buffer.
   static constexpr bool kEarlyQRelease = kHeadDim == 64 || kHeadDim == 128;

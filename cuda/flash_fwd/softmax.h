@@ -167,7 +167,7 @@ struct OnlineSoftmax {
   }
 
  private:
-  // x - Scaling::kOffsetLog2; nothing for a zero offset (ptxas keeps an x - 0 FADD).
+  // x - Scaling::kOffsetLog2, stated so that a zero offset costs no instruction.
   __device__ __forceinline__ static float less_offset(float x) {
     if constexpr (Scaling::kOffsetLog2 == 0.f) {
       return x;

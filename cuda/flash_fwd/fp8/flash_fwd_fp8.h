@@ -26,8 +26,8 @@ struct FlashFwdFp8Params : FlashFwdParams {
   void* workspace;  // flash_fwd_fp8_workspace_bytes(b, h_k, s_k, d, v_transposed), 16-byte aligned
   bool v_transposed;
   int block_size;
-  // Split the last round's tiles over two CTAs each where the workspace has room (fp8/tail_split.h).
-  // Off only to time the kernel without it (tools/fwd_timeline.cu).
+  // Split the last round's tiles over two CTAs each where the workspace has room
+  // (fp8/tail_split.h). Off only to time the kernel without it (tools/fwd_timeline.cu).
   bool tail_split = true;
 };
 
@@ -71,7 +71,7 @@ inline int fp8_head_dim_bucket(int d) {
 constexpr int fp8_default_block_m(int bucket) { return bucket == 256 ? 128 : 192; }
 
 // d128 causal: 192-row tiles only from this many query rows. Kernel alone, causal, 192 vs 128
-// rows (H200, 2026-12-01, eleventh session, benchmarks/RESULTS.md): 2k 437-448 vs 466-475, 4k
+// rows (H200, 2026-12-01, benchmarks/RESULTS.md): 2k 437-448 vs 466-475, 4k
 // 595 vs 620, 8k 717-735 vs 696-709, 16k 807 vs 781. In short causal calls the diagonal blocks
 // (masked, partly wasted) are a larger share of the work, and more so with taller tiles.
 constexpr int kFp8D128TallCausalMinSeqlen = 8192;
@@ -88,13 +88,13 @@ inline int fp8_block_m(int bucket, const FlashFwdFp8Params& p) {
 
 // Whether the kernel releases Q's buffer after each tile's last S GEMM, so that the next tile's Q
 // loads under this tile's last softmax, PV GEMM and epilogue, instead of after the TMA store of O.
-// Kernel alone, d128 192-row tiles, non-causal, b*s = 16k, h = 16, same run (H200, twelfth
-// session, benchmarks/RESULTS.md): 2k 713-714 vs 689-690 TFLOP/s, 4k 791-799 vs 786-787, but 8k
-// 840 vs 846-847 and causal 8k 746-750 vs 747. Earlier, on d128 / d64 with 128-row tiles and
-// ping-pong turns (eighth session): 8k 771 vs 803, causal 2k 463 vs 466; those keep it off.
+// Kernel alone, d128 192-row tiles, non-causal, b*s = 16k, h = 16, same run (H200, 2026-12-02,
+// benchmarks/RESULTS.md): 2k 713-714 vs 689-690 TFLOP/s, 4k 791-799 vs 786-787, but 8k 840 vs
+// 846-847 and causal 8k 746-750 vs 747. On d128 / d64 with 128-row tiles and ping-pong turns
+// (H200, 2026-12-01): 8k 771 vs 803, causal 2k 463 vs 466; those keep it off.
 // Only the kernels that may do so read the per-call flag: in the others a run-time check alone
-// changed ptxas's schedule (fp8 d64 470 vs 530 TFLOP/s kernel alone at 8k, same run, twelfth
-// session).
+// changed ptxas's schedule (fp8 d64 470 vs 530 TFLOP/s kernel alone at 8k, same run, H200,
+// 2026-12-02).
 constexpr int kFp8EarlyQReleaseMaxSeqlenK = 4096;
 constexpr bool fp8_may_release_q_early(int bucket, int block_m) {
   return bucket == 128 && block_m == 192;

@@ -18,7 +18,7 @@ namespace jax_fa3::fwd {
 constexpr float kFp8POffsetLog2 = 6.f;
 // Lazy running max: a row keeps its max until a block's scores exceed it by more than this
 // (log2 units), so O is rescaled on a jump, not on every new maximum; then P <= 2^2.8. Kernel
-// alone (H200, eighteenth session, benchmarks/RESULTS.md), margin 2.8 / shift 6 against 0.8 /
+// alone (H200, 2026-12-02, benchmarks/RESULTS.md), margin 2.8 / shift 6 against 0.8 /
 // 8: d128 8k +1.6-2.1%, d256 +2.4%, d64 +0.7%; 1.8 / 7 gained about half of that at d128, 3.8 /
 // 5 no more than 2.8 / 6. RMSE (the paper's outlier inputs): +0.2-0.9%.
 constexpr float kFp8LazyMaxMarginLog2 = 2.8f;

@@ -19,10 +19,10 @@
 // float32 rounding (one exp2 rescales the high partial instead of a product of per-block factors).
 //
 // Where the merge runs: in the main kernel, by whichever CTA finishes its piece second, after its
-// persistent loop (merge_if_last_piece). A first build merged inside the loop's epilogue, and
-// ptxas spilled 16-20 bytes of loop invariants of the 192-row d128 kernel into the main loop; a
-// second one used a separate merge kernel, which cost as much as the split gained (ncu, H200,
-// d128 8k: main kernel 1.21 ms vs 1.24 ms unsplit, merge kernel 12.5 us plus the launch gap).
+// persistent loop (merge_if_last_piece). Merged inside the loop's epilogue, ptxas spills 16-20
+// bytes of loop invariants of the 192-row d128 kernel into the main loop; a separate merge kernel
+// costs as much as the split gains (ncu, H200, 2026-12-02, d128 8k: main kernel 1.21 ms vs 1.24
+// ms unsplit, merge kernel 12.5 us plus the launch gap).
 #pragma once
 #include <cmath>
 #include <cstdint>

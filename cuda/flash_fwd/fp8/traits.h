@@ -15,8 +15,8 @@
 
 namespace jax_fa3::fwd {
 
-// kBlockN (kFp8BlockN, fp8/flash_fwd_fp8.h) for every fp8 head dim. Registers per consumer thread (fp32 S kBlockN/2, e4m3 P kBlockN/8,
-// fp32 O d/2) and smem (Q kBlockM*d + 2 stages of K and Vt kBlockN*d, all 1 byte, + O bf16
+// kBlockN (kFp8BlockN, fp8/flash_fwd_fp8.h) for every fp8 head dim. Registers per consumer
+// thread (fp32 S kBlockN/2, e4m3 P kBlockN/8, fp32 O d/2) and smem (Q kBlockM*d + 2 stages of K and Vt kBlockN*d, all 1 byte, + O bf16
 // kBlockM*d*2):
 //   d64 : 192x128  S 64 + P 16 + O  32 (plain)    12K + 2*2*8K  + 24K =  68 KB
 //   d128: 128x128  S 64 + P 16 + O  64 (overlap)  16K + 2*2*16K + 32K = 112 KB
@@ -32,14 +32,13 @@ static_assert(kFp8BlockN == 128, "the table above");
 // no intra-warpgroup overlap); the default per bucket and d128's choice per call are in
 // fp8/flash_fwd_fp8.h (fp8_default_block_m, fp8_block_m). Measured on the H200 (kernel alone,
 // cuda/flash_fwd/tools/fwd_timeline.cu, benchmarks/RESULTS.md): d64 192x128 444 TFLOP/s vs
-// 128x128 380 at 8k (fifth session). d128 192x128 in the plain order with the pipelined PV
-// (kPipelinedPv; 12 bytes spilled then) vs 128x128 with the overlap (eleventh
-// session, two runs): 814-830 vs 789-802 non-causal 8k, 717-735 vs 696-709 causal 8k, but
-// 437-448 vs 466-475 causal 2k, hence both d128 kernels. Not taken at d128: 192x96 767, 192x128
-// with every 8th exp2 on the FMA pipe 790-792, 192x128 with 3 K/V stages 816 (no gain); in the
-// plain order pipelined at 128 rows: 128x224 791 (240 registers), 128x192 755, 128x128 /
-// 128x192 / 128x224 with the next S GEMM issued right after the PV k-steps 742 / 773-778 / 747
-// (eleventh session).
+// 128x128 380 at 8k (2026-12-01). d128 192x128 in the plain order with the pipelined PV
+// (kPipelinedPv; 12 bytes spilled in that build) vs 128x128 with the overlap (2026-12-01, two
+// runs): 814-830 vs 789-802 non-causal 8k, 717-735 vs 696-709 causal 8k, but 437-448 vs 466-475
+// causal 2k, hence both d128 kernels. Slower at d128 (same runs): 192x96 767, 192x128 with every
+// 8th exp2 on the FMA pipe 790-792, 192x128 with 3 K/V stages 816 (no gain); in the plain order
+// pipelined at 128 rows: 128x224 791 (240 registers), 128x192 755, 128x128 / 128x192 / 128x224
+// with the next S GEMM issued right after the PV k-steps 742 / 773-778 / 747.
 template <int kHeadDim_, int kBlockM_ = fp8_default_block_m(kHeadDim_)>
 struct Fp8KernelTraits
     : ForwardTraitsBase<kHeadDim_, cutlass::float_e4m3_t, kBlockM_, kFp8BlockN> {
@@ -64,22 +63,22 @@ struct Fp8KernelTraits
   // Every kExp2FmaPeriod-th softmax exponential on the FMA pipe instead of MUFU (exp2_fma.h):
   // only at d64, whose GEMMs are short enough for MUFU to pace the loop. Kernel alone, 8k
   // non-causal, same run (H200, 2026-12-01): d64 period 4 455-457 TFLOP/s vs 443-444 without.
-  // A first version that added j to p's bits (one FMUL less, NaN-unsafe) measured d64 period
-  // 4 / 3 / 2 467-470 / 458-461 / 407-411 vs 441-442; d128 period 8 / 4 / 2 774-775 / 749-755 /
-  // 706-710 vs 804-810; d256 period 4 941-946 vs 967-973: the d128 and d256 loops are not
-  // MUFU-bound (session 5 found the same at d128).
+  // A variant that adds j to p's bits (one FMUL less, NaN-unsafe; H200, 2026-12-01) measured
+  // d64 period 4 / 3 / 2 467-470 / 458-461 / 407-411 vs 441-442; d128 period 8 / 4 / 2 774-775 /
+  // 749-755 / 706-710 vs 804-810; d256 period 4 941-946 vs 967-973: the d128 and d256 loops are
+  // not MUFU-bound.
   static constexpr int kExp2FmaPeriod = kHeadDim == 64 ? 4 : 0;
   // The row max's quad reduction and O correction only when some row of the warp jumps past the
-  // lazy margin (fp8/softmax.h, update_max). Kernel alone, 192-row d128 (H200, eighteenth
-  // session, alternated): 8k +0.9%, causal 8k +2%, 2k +5% (ptxas spills 4 bytes: one LDL per
-  // block); d256 even (not taken); d64 and d128's 128-row kernel -12% (nineteenth session).
+  // lazy margin (OnlineSoftmax::update_max, softmax.h). Kernel alone, 192-row d128 (H200,
+  // 2026-12-02, alternated): 8k +0.9%, causal 8k +2%, 2k +5% (ptxas spills 4 bytes: one LDL per
+  // block); d256 even; d64 and d128's 128-row kernel -12% (H200, 2026-12-03).
   static constexpr bool kReduceMaxOnJump = kHeadDim == 128 && kNumConsumerWarpGroups == 3;
   // In the plain order (no intra-warpgroup overlap: three warpgroups, d256), P's k-steps go
   // to the PV GEMM one by one as their exponentials are done (consumer.h), and the warpgroups
   // take no ping-pong turns. Kernel alone, 8k, same runs (H200, 2026-12-01, benchmarks/RESULTS.md):
   // d256 1028-1031 TFLOP/s vs 954 (causal 920-927 vs 870), d64 531 vs 482 (causal 465 vs 434).
   // Kept with the ping-pong turns, the turn is held through the whole exp2 pass: d256 953. Not
-  // taken at d128 (128x128): the plain order pipelined (729 vs 796 with the overlap), the overlap's
+  // used at d128 (128x128): the plain order pipelined (729 vs 796 with the overlap), the overlap's
   // PV issued in 2 or 4 pieces between parts of the exp2 pass (736-753), bf16 d256 (606-610 vs 622).
   static constexpr bool kPipelinedPv = !kIntraWgOverlap;
   static constexpr bool kPingPong = !kPipelinedPv;

@@ -50,7 +50,7 @@ constexpr int kVtThreads = 128;
 // one key) from shared memory and transposes 4x4 bytes with byte permutes, so it writes one full
 // 32-byte sector per dim. Both shared-memory phases touch 32 consecutive words per warp
 // instruction: no bank conflicts.
-// Pre-pass alone, d128, b*s = 16k tokens, h = 16 (32 MB in, 32 MB out; H200, twelfth session,
+// Pre-pass alone, d128, b*s = 16k tokens, h = 16 (32 MB in, 32 MB out; H200, 2026-12-02,
 // benchmarks/RESULTS.md): one tile per CTA (grid = #tiles, ~1.2 waves) 40-41 us; persistent with
 // 4 / 8 / 16 CTAs per SM 36-37 / 35-37 / 35-36 us. Kernel alone with it (8 per SM): +0.4-0.9%.
 constexpr int kVtCtasPerSm = 8;
