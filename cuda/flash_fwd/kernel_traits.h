@@ -90,13 +90,8 @@ template <int kHeadDim_, typename Element_>
 struct KernelTraits
     : ForwardTraitsBase<kHeadDim_, Element_, 128, BlockN<kHeadDim_>::value> {
   using Base = ForwardTraitsBase<kHeadDim_, Element_, 128, BlockN<kHeadDim_>::value>;
-  using typename Base::Element;
-  using typename Base::ElementAccum;
-  using Base::kBlockM;
-  using Base::kBlockN;
-  using Base::kHeadDim;
-  using Base::kNumConsumerWarpGroups;
-  using Base::kStages;
+  using typename Base::Element, typename Base::ElementAccum;
+  using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kNumConsumerWarpGroups, Base::kStages;
   using ElementOut = Element;  // O is written in the input type (fp8: Fp8KernelTraits)
   static constexpr bool kFp8 = false;
   // Intra-warpgroup overlap keeps S(n) and P(n+1) live together (S + P/2 + O registers). Measured

@@ -43,13 +43,8 @@ template <int kHeadDim_, int kBlockM_ = fp8_default_block_m(kHeadDim_)>
 struct Fp8KernelTraits
     : ForwardTraitsBase<kHeadDim_, cutlass::float_e4m3_t, kBlockM_, kFp8BlockN> {
   using Base = ForwardTraitsBase<kHeadDim_, cutlass::float_e4m3_t, kBlockM_, kFp8BlockN>;
-  using typename Base::Element;
-  using typename Base::ElementAccum;
-  using Base::kBlockM;
-  using Base::kBlockN;
-  using Base::kHeadDim;
-  using Base::kNumConsumerWarpGroups;
-  using Base::kStages;
+  using typename Base::Element, typename Base::ElementAccum;
+  using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kNumConsumerWarpGroups, Base::kStages;
   using ElementOut = cutlass::bfloat16_t;
   static constexpr bool kFp8 = true;
   static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroups");
