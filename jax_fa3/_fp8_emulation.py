@@ -41,7 +41,7 @@ from jax_fa3._config import Fp8Config
 from jax_fa3._fp8_quantize import per_token, to_e4m3
 
 P_OFFSET_LOG2 = 6  # FA3's Max_offset idea (FA3 uses 8): P is quantized as e4m3(2^6 · P)
-# Lazy running max (log2 units; cuda/flash_fwd/fp8_softmax.h kFp8LazyMaxMarginLog2): a row's max
+# Lazy running max (log2 units; cuda/flash_fwd/fp8/softmax.h kFp8LazyMaxMarginLog2): a row's max
 # moves only when a key tile's scores exceed it by more than this, so P <= 2^2.8 and
 # 2^6 · P <= 445.7 < 448: e4m3's range still holds it.
 LAZY_MAX_MARGIN_LOG2 = 2.8

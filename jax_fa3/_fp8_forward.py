@@ -23,7 +23,7 @@ from jax_fa3._config import Fp8Config
 from jax_fa3._fp8_emulation import emulated_forward
 
 KERNEL_TARGET = "jax_fa3_flash_fwd_fp8"
-KERNEL_HEAD_DIM_BUCKETS = (64, 128, 256)  # cuda/flash_fwd/flash_fwd_fp8.h kFp8HeadDimBuckets
+KERNEL_HEAD_DIM_BUCKETS = (64, 128, 256)  # cuda/flash_fwd/fp8/flash_fwd_fp8.h kFp8HeadDimBuckets
 
 
 def kernel_forward(cfg: Fp8Config, v_transposed: bool = False):

@@ -109,7 +109,7 @@ def fused_quantize_supported(x, block_size) -> bool:
           and _ffi.kernels_available() and _ffi.has_target(ROTATE_QUANTIZE_TARGET))
 
 
-# The kernel's V layout (cuda/flash_fwd/fp8_layout.h, fp8_key_of_slot): slot c of each group of
+# The kernel's V layout (cuda/flash_fwd/fp8/layout.h, fp8_key_of_slot): slot c of each group of
 # 32 keys holds key KEY_OF_SLOT[c].
 KEY_PAD = 32
 KEY_OF_SLOT = tuple(16 * (c // 16) + 8 * ((c % 4) // 2) + 2 * ((c % 16) // 4) + c % 2

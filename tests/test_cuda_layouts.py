@@ -68,7 +68,7 @@ def test_backward_layout_facts_hold_for_every_bucket(tmp_path):
 
 
 def test_fp8_forward_p_v_layout_fact_holds_for_every_bucket(tmp_path):
-  """The fp8 forward packs P in place and permutes V's keys instead (cuda/flash_fwd/fp8_layout.h):
+  """The fp8 forward packs P in place and permutes V's keys instead (cuda/flash_fwd/fp8/layout.h):
   tests/cuda/check_fp8_layouts.cu checks, with CuTe's fragment layouts, that every packed A slot
   holds the score of the key the permuted Vt stores there, and A·Vt == S·V on integers."""
   # d64, d128 (its 192-row and 128-row kernels), d256.

@@ -43,7 +43,7 @@ from oracle import attention_oracle  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
-# Key tile of the kernel per head-dim bucket (cuda/flash_fwd/fp8_traits.h BlockNFp8): the
+# Key tile of the kernel per head-dim bucket (cuda/flash_fwd/fp8/flash_fwd_fp8.h kFp8BlockN): the
 # emulation quantizes P against the running max of the same tiles.
 KERNEL_BLOCK_N = {64: 128, 128: 128, 256: 128}
 

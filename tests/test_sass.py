@@ -25,8 +25,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 
 # Local-memory instructions (LDL + STL) allowed per kernel; every other kernel: none.
 # fp8 d128 with 128-row tiles: 12 bytes (3 STL + 3 LDL, all per tile, none in the K/V loop) under
-# its 208-register cap (fp8_traits.h), since the row sums' tensor-core accumulator
-# (fp8_row_sum.h) takes 4 of them.
+# its 208-register cap (cuda/flash_fwd/fp8/traits.h), since the row sums' tensor-core accumulator
+# (fp8/row_sum.h) takes 4 of them.
 # The fp8 input pass's block kernel: 20-48 bytes under its 85-register cap (three CTAs per SM,
 # cuda/quantize/rotate_quantize.cu), kept because it measured faster than 92 registers without
 # spills (q rotated at 16k tokens, H200: 52 vs 64 µs at d=128, 79 vs 88 at d=256); d = 32, 64 fit.

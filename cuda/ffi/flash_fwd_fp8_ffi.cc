@@ -8,7 +8,7 @@
 #include "ffi/ffi_common.h"
 #include "ffi/handlers.h"
 #include "ffi/registry.h"
-#include "flash_fwd/flash_fwd_fp8.h"
+#include "flash_fwd/fp8/flash_fwd_fp8.h"
 
 namespace jax_fa3 {
 namespace {
@@ -94,7 +94,7 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
   }
 
   // The V transpose pre-pass walks its tiles (128 keys x 128 dims of each (batch, kv head)) with
-  // an int32 index plus the grid size (fp8_launch.h, fp8_vt.h); double: the product of these
+  // an int32 index plus the grid size (flash_fwd/fp8/launch.h, fp8/vt.h); double: the product of these
   // sizes may not fit in int64.
   if (double(a.b) * double(a.h_k) * double((s_pad + 127) / 128) * double((a.d + 127) / 128) >
       double(int64_t(1) << 30)) {
@@ -124,7 +124,7 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
   // the outputs then differ only in the order the fp8 tensor cores accumulate O).
   params.tail_split = !ffi_util::env_flag_is_zero("JAX_FA3_FP8_TAIL_SPLIT");
   // The workspace is poisoned too: the kernel must not depend on what a previous op left in
-  // XLA's scratch (the tail split's tickets are cleared by its pre-kernel, tail_split.h).
+  // XLA's scratch (the tail split's tickets are cleared by its pre-kernel, flash_fwd/fp8/tail_split.h).
   return ffi_util::poison_and_launch(
       kOp, stream, [&] { return launch_flash_fwd_fp8(params, stream); }, out, lse, workspace);
 }

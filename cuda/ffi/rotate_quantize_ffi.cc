@@ -1,7 +1,7 @@
 // XLA FFI handler for the fused rotate + quantize pass of jax_fa3.fp8 (quantize/rotate_quantize.h).
 #include "ffi/ffi_common.h"
 #include "ffi/handlers.h"
-#include "flash_fwd/flash_fwd_fp8.h"
+#include "flash_fwd/fp8/flash_fwd_fp8.h"
 #include "quantize/rotate_quantize.h"
 
 namespace jax_fa3 {

@@ -13,7 +13,7 @@ enum NamedBarrierId : uint32_t {
   kBarrierWarpGroup1 = 2,  // ping-pong: "warpgroup 1 may issue its GEMMs"
   kBarrierWarpGroup2 = 3,  // ping-pong: "warpgroup 2 may issue its GEMMs"
   kBarrierWarpGroup3 = 4,  // ping-pong with three consumer warpgroups (fp8 192-row tiles)
-  kBarrierVMean = 5,       // fp8: the tile's v_mean is staged in shared memory (fp8_v_mean.h)
+  kBarrierVMean = 5,       // fp8: the tile's v_mean is staged in shared memory (fp8/v_mean.h)
 };
 
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t num_threads) {

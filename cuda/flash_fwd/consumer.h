@@ -11,12 +11,12 @@
 #include "flash_fwd/barriers.h"
 #include "flash_fwd/block_info.h"
 #include "flash_fwd/epilogue.h"
-#include "flash_fwd/fp8_row_sum.h"
-#include "flash_fwd/fp8_v_mean.h"
-#include "flash_fwd/fp8_softmax.h"
+#include "flash_fwd/fp8/row_sum.h"
+#include "flash_fwd/fp8/v_mean.h"
+#include "flash_fwd/fp8/softmax.h"
 #include "flash_fwd/kernel_params.h"
 #include "flash_fwd/softmax.h"
-#include "flash_fwd/tail_split.h"
+#include "flash_fwd/fp8/tail_split.h"
 #include "flash_fwd/trace.h"
 #include "flash_fwd/wgmma.h"
 
@@ -110,8 +110,8 @@ struct NoPingPong {
 
 // The fp8 kernel (Traits::kFp8) differs in a few `if constexpr` places only, so the 16-bit code
 // path is exactly what it was: S is descaled per column (k_scale) and per row (q_scale, folded
-// into the exp2 FFMA), P is 2^6-shifted and packed into e4m3 in place (fp8_softmax.h,
-// fp8_layout.h), and O is divided by 2^6 * rowsum and multiplied by v_scale.
+// into the exp2 FFMA), P is 2^6-shifted and packed into e4m3 in place (fp8/softmax.h,
+// fp8/layout.h), and O is divided by 2^6 * rowsum and multiplied by v_scale.
 template <class Traits>
 __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
                                              typename Traits::SharedStorage& ss, int thread_idx) {
@@ -127,7 +127,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   // warpgroup index that ptxas can see is warp-uniform (a shuffle from lane 0) lets it keep them
   // in uniform registers, instead of moving each one over by R2UR before every wgmma. fp8 only:
   // +2% there at d128; the bf16 kernel sliced so measured even at 8k and 1.7% slower causal
-  // (benchmarks/RESULTS.md, twenty-fifth session).
+  // (H200, 2026-12-03, benchmarks/RESULTS.md).
   const int qk_slice_thread =
       Traits::kFp8 ? 128 * __shfl_sync(0xffffffffu, thread_idx / 128, 0) : thread_idx;
   auto thr_qk = mma_qk.get_thread_slice(qk_slice_thread);
@@ -158,7 +158,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
   // K/V stages) lets the producer load the next tile's Q under this tile's last softmax, PV GEMM
   // and epilogue. Otherwise the epilogue releases Q's buffer after the TMA store of O.
   const bool early_q_release = p.early_q_release();
-  // fp8: the row sums' GEMM state (fp8_row_sum.h); empty for 16-bit types.
+  // fp8: the row sums' GEMM state (fp8/row_sum.h); empty for 16-bit types.
   TensorRowSum<Traits, kFp8> row_sums(ss, thread_idx);
   auto release_q_after_last_s = [&](int n_block, const BlockRange& range) {
     if (early_q_release && n_block == range.n_min) release_stage(&ss.q_empty);
@@ -174,16 +174,17 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     const ItemBlocks work =
         item_blocks<Traits::kTailSplit>(p.scheduler, index, kBlockM, kBlockN, sc);
     const TileCoord c = work.tile;
-    // Tail-split pieces (tail_split.h): the blocks this item visits; those >= max_only_from (the
-    // low piece's top blocks) only advance the row maxima.
+    // Tail-split pieces (fp8/tail_split.h): the blocks this item visits; those >= max_only_from
+    // (the low piece's top blocks) only advance the row maxima.
     const PieceRange piece = work.piece;
     const BlockRange range = piece.visit;
     const int row_g = c.m_block * kBlockM + 64 * (thread_idx / 128) + fc.row0;
     // fp8 only: per-row exp2 scales (softmax_scale * log2 e * q_scale of the row's block), this
-    // (batch, kv-head)'s per-key k scales and its v scale.
+    // (batch, kv-head)'s per-key k scales and its v scale (1 for 16-bit types, which RowScaling
+    // does not read).
     [[maybe_unused]] float row_scale[2];
     [[maybe_unused]] const float* col_scale = nullptr;
-    [[maybe_unused]] float v_scale = 1.f;
+    float v_scale = 1.f;
     // fp8 only: k scales of the kKeyGroups 32-key groups of the block being finished (ks_cur)
     // and of the next block (ks_next), loaded one block ahead so that their L2 latency hides
     // behind a whole block; all 1 for generic block sizes (descale_columns instead).
@@ -203,7 +204,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
       stage_v_mean(ss.v_mean, p.v_mean + bh_k * sc.d, sc.d, thread_idx);
     }
     // Block n_block's kKeyGroups group scales are slots kKeyGroups * n_block.. of k_col's row,
-    // padded with 1 to whole blocks (fp8_vt.h, fp8_k_col_entry): one 16-byte load, no bounds
+    // padded with 1 to whole blocks (fp8/vt.h, fp8_k_col_entry): one 16-byte load, no bounds
     // test but the tile's (it replaced four guarded loads: ~30 instructions a block). The
     // look-ahead past the tile's first block reloads that block; a tile that sees no key (s_k = 0:
     // k_col may be empty) loads nothing. Generic block sizes: all 1 (descale_columns).
@@ -243,7 +244,8 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
       if constexpr (kFp8) return Traits::kReduceMaxOnJump;
       else return false;
     }();
-    std::conditional_t<kFp8, Fp8OnlineSoftmax<kKeyGroups, kReduceMaxOnJump>, OnlineSoftmax> softmax;
+    std::conditional_t<kFp8, Fp8OnlineSoftmax<kKeyGroups, kReduceMaxOnJump>, RowOnlineSoftmax>
+        softmax;
     softmax.reset();
     row_sums.clear();
     float correction[2];
@@ -450,11 +452,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     }
 
     float inv_sum[2], lse[2];
-    if constexpr (kFp8) {
-      softmax.finalize(v_scale, inv_sum, lse);
-    } else {
-      softmax.finalize(sc.scale_log2, inv_sum, lse);
-    }
+    softmax.finalize(sc.scale_log2, v_scale, inv_sum, lse);
     rescale_rows(tOrO, inv_sum);
     if constexpr (kFp8) {
       wait_v_mean<Traits::kNumConsumerThreads>();

@@ -17,7 +17,7 @@ using namespace cute;
 
 // thread_idx: 0..255 over the consumer warpgroups. lse: this thread's two rows. write_out false:
 // the barriers and the release of Q's buffer only, no global writes (a tail-split piece, whose
-// partial is merged after the persistent loop: tail_split.h).
+// partial is merged after the persistent loop: fp8/tail_split.h).
 template <class Traits, class FragO>
 __device__ __forceinline__ void store_tile(KernelParams<Traits> const& p,
                                            typename Traits::SharedStorage& ss, FragO const& tOrO,

@@ -5,7 +5,7 @@
 
 #include "flash_fwd/barriers.h"
 #include "flash_fwd/consumer.h"
-#include "flash_fwd/fp8_row_sum.h"
+#include "flash_fwd/fp8/row_sum.h"
 #include "flash_fwd/kernel_params.h"
 #include "flash_fwd/producer.h"
 

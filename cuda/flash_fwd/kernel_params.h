@@ -32,19 +32,19 @@ auto make_gmem_tensor(Element* ptr, int seq, int d, int heads, int batch) {
 template <bool kFp8> struct ExtraParams {};
 template <> struct ExtraParams<true> {
   const float* q_scale;      // (b, h, num_q_blocks): the per-row-block q descale
-  const float* k_col_scale;  // (b, h_k, s_pad): k scales per 32-key group or per key (fp8_vt.h)
+  const float* k_col_scale;  // (b, h_k, s_pad): k scales per 32-key group or per key (fp8/vt.h)
   const float* v_scale;      // (b, h_k)
-  const float* v_mean;       // (b, h_k, d): added back to O's non-empty rows (fp8_v_mean.h)
+  const float* v_mean;       // (b, h_k, d): added back to O's non-empty rows (fp8/v_mean.h)
   int num_q_blocks;          // ceil(s_q / block_size)
   int block_size;            // tokens per q/k scale
   int s_pad;                 // keys of Vt / k_col_scale rows (s_k rounded up to 32)
-  int k_scale_grouped;       // block_size % 32 == 0: one k scale per 32-key group (fp8_softmax.h)
-  int early_q_release;       // release Q's buffer after each tile's last S GEMM (flash_fwd_fp8.h)
+  int k_scale_grouped;       // block_size % 32 == 0: one k scale per 32-key group (fp8/softmax.h)
+  int early_q_release;       // Q's buffer released after a tile's last S GEMM (fp8/flash_fwd_fp8.h)
   float scale_log2;          // softmax_scale * log2(e)
-  float* tail_partials;      // the split tiles' pieces (tail_split.h; scheduler.num_split_tiles)
+  float* tail_partials;      // split tiles' pieces (fp8/tail_split.h; scheduler.num_split_tiles)
   // O (b, s_q, h, d) bf16: the tail merge writes split tiles directly. With v_mean the struct is
-  // 72 bytes and the TMA descriptors after it start at the next 64-byte boundary. An earlier
-  // field that did so made ptxas spill 8 bytes in the 128-row d128 kernel; its spills today are
+  // 72 bytes and the TMA descriptors after it start at the next 64-byte boundary; a field that
+  // pushed them past it made ptxas spill 8 bytes in the 128-row d128 kernel, whose spills are
   // pinned in tests/test_sass.py.
   void* out;
 };
@@ -60,7 +60,7 @@ struct KernelParams : ExtraParams<Traits::kFp8> {
   // Whether Q's buffer is released after each tile's last S GEMM (the next tile's Q then loads
   // under this tile's tail) instead of after the TMA store of O: fixed per traits for 16-bit
   // (Traits::kEarlyQRelease: O has its own buffer), chosen per call for fp8, whose O always has
-  // its own buffer (flash_fwd_fp8.h, fp8_early_q_release).
+  // its own buffer (fp8/flash_fwd_fp8.h, fp8_early_q_release).
   __device__ __forceinline__ bool early_q_release() const {
     if constexpr (Traits::kFp8) {
       return Traits::kEarlyQReleasePerCall && this->ExtraParams<true>::early_q_release != 0;

@@ -28,54 +28,38 @@ template <> struct BlockN<128> { static constexpr int value = 128; };
 template <> struct BlockN<192> { static constexpr int value = 112; };
 template <> struct BlockN<256> { static constexpr int value = 80; };
 
-// The widest GMMA swizzle whose atom width divides the head dim (d96 cannot use 128 B rows).
-template <typename Element, int kHeadDim>
+// The widest GMMA K-major swizzle whose row (in bytes) divides kWidth elements of Element
+// (16-bit d96 cannot use 128 B rows).
+template <typename Element, int kWidth>
 constexpr auto smem_atom_k_major() {
-  if constexpr (kHeadDim % 64 == 0) {
+  constexpr int kBytes = kWidth * int(sizeof(Element));
+  if constexpr (kBytes % 128 == 0) {
     return GMMA::Layout_K_SW128_Atom<Element>{};
-  } else if constexpr (kHeadDim % 32 == 0) {
+  } else if constexpr (kBytes % 64 == 0) {
     return GMMA::Layout_K_SW64_Atom<Element>{};
   } else {
     return GMMA::Layout_K_SW32_Atom<Element>{};
   }
 }
 
-template <int kHeadDim_, typename Element_>
-struct KernelTraits {
+// What every forward kernel shares (16-bit: KernelTraits below; fp8: Fp8KernelTraits,
+// fp8/traits.h): the tile, the threads (one producer warpgroup and one consumer warpgroup per 64
+// rows), S = Q K^T, the shared-memory layouts of Q and K and the TMA byte counts. Each
+// SharedStorage states its own mbarrier block (the protocol: producer.h): as a nested struct
+// shared here it changed ptxas's barrier addressing in the 16-bit kernels (3 more uniform
+// instructions at d128; CUDA 13.0, 2026-12-04).
+template <int kHeadDim_, typename Element_, int kBlockM_, int kBlockN_>
+struct ForwardTraitsBase {
   using Element = Element_;
-  using ElementOut = Element;  // O is written in the input type (fp8: Fp8KernelTraits)
   using ElementAccum = float;
-  static constexpr bool kFp8 = false;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = BlockN<kHeadDim>::value;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = 2;
-  // Intra-warpgroup overlap keeps S(n) and P(n+1) live together (S + P/2 + O registers). Measured
-  // with ptxas: 160 fragment registers fit the 240 budget, 180 spill. d192/d256 (O alone 96/128)
-  // therefore run the plain order S -> softmax -> PV, where S turns into P in place.
-  static constexpr bool kIntraWgOverlap = kHeadDim <= 128;
-  // Skipping O's rescale when no max changed (softmax.h) measured 614-618 TFLOP/s at d256 8k
-  // against 632-635 without it (H200, 2026-12-01): always rescale here.
-  static constexpr bool kSkipUnchangedRescale = false;
-  // Every kExp2FmaPeriod-th softmax exponential on the FMA pipe instead of MUFU (exp2_fma.h):
-  // none. Kernel alone, 8k non-causal (H200, 2026-12-01, exp2_fma's first version, one FMUL
-  // cheaper): d64 period 4 / 3 / 2 422-425 / 429-431 / 407-410 TFLOP/s vs 462-464 without; d128
-  // period 4 581-586 vs 607-612.
-  static constexpr int kExp2FmaPeriod = 0;
-  // PV issued k-step by k-step under the exp2 pass (fp8_traits.h): d256 606-610 TFLOP/s vs
-  // 622-623 without (kernel alone, 8k, H200, 2026-12-01). Not taken; the ping-pong stays.
-  static constexpr bool kPipelinedPv = false;
-  static constexpr bool kPingPong = true;
-  static constexpr bool kTailSplit = false;  // tail_split.h: fp8 kernels only
   static constexpr int kNumConsumerWarpGroups = kBlockM / 64;
   static constexpr int kNumThreads = 128 * (kNumConsumerWarpGroups + 1);  // + producer WG
   static constexpr int kNumConsumerThreads = 128 * kNumConsumerWarpGroups;
-  // setmaxnreg budgets: 128 * (24 + 2 * 240) = 64512 <= 65536 registers per SM.
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
-
-  static_assert(kBlockN % 16 == 0, "kBlockN is the K of the PV wgmma (k16 steps)");
-  static_assert(kHeadDim % 16 == 0, "head dim bucket is the N of the PV wgmma and the stmatrix width");
+  static constexpr int kProducerRegs = 24;  // setmaxnreg budget of the producer warpgroup
 
   using TileShape = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
 
@@ -84,18 +68,62 @@ struct KernelTraits {
   using TiledMmaQK = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
       Layout<Shape<Int<kNumConsumerWarpGroups>, _1, _1>>{}));
-  // O += P V: P from registers (RS), V^T from shared memory where d (the N of this GEMM) is the
-  // contiguous dimension, i.e. an MN-major B operand (wgmma transposes 16-bit B for free).
-  using TiledMmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
+
+  // A GEMM with A (64 x kK per consumer warpgroup) from registers, K-major, and a kN x kK B
+  // operand from shared memory: O += P V (16-bit: V MN-major; fp8: Vt K-major) and fp8's row sums.
+  template <int kN, int kK, GMMA::Major kMajorB>
+  using TiledMmaRs = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, ElementAccum, Shape<_64, Int<kN>, Int<kK>>,
+                           GMMA::Major::K, kMajorB>(),
       Layout<Shape<Int<kNumConsumerWarpGroups>, _1, _1>>{}));
 
-  using SmemAtom = decltype(smem_atom_k_major<Element, kHeadDim>());
-  using SmemLayoutQ = decltype(tile_to_shape(SmemAtom{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemLayoutO = SmemLayoutQ;
+  using SmemAtomQK = decltype(smem_atom_k_major<Element, kHeadDim>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemAtomQK{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutK = decltype(tile_to_shape(
-      SmemAtom{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+      SmemAtomQK{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+
+  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
+};
+
+template <int kHeadDim_, typename Element_>
+struct KernelTraits
+    : ForwardTraitsBase<kHeadDim_, Element_, 128, BlockN<kHeadDim_>::value> {
+  using Base = ForwardTraitsBase<kHeadDim_, Element_, 128, BlockN<kHeadDim_>::value>;
+  using typename Base::Element, typename Base::ElementAccum;
+  using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kNumConsumerWarpGroups, Base::kStages;
+  using ElementOut = Element;  // O is written in the input type (fp8: Fp8KernelTraits)
+  static constexpr bool kFp8 = false;
+  // Intra-warpgroup overlap keeps S(n) and P(n+1) live together (S + P/2 + O registers). Measured
+  // with ptxas: 160 fragment registers fit the 240 budget, 180 spill. d192/d256 (O alone 96/128)
+  // therefore run the plain order S -> softmax -> PV, where S turns into P in place.
+  static constexpr bool kIntraWgOverlap = kHeadDim <= 128;
+  // Skipping O's rescale when no max changed (softmax.h) measured 614-618 TFLOP/s at d256 8k
+  // against 632-635 without it (H200, 2026-12-01): always rescale here.
+  static constexpr bool kSkipUnchangedRescale = false;
+  // Every kExp2FmaPeriod-th softmax exponential on the FMA pipe instead of MUFU (exp2_fma.h):
+  // none. Kernel alone, 8k non-causal (H200, 2026-12-01, with an exp2_fma one FMUL cheaper than
+  // today's): d64 period 4 / 3 / 2 422-425 / 429-431 / 407-410 TFLOP/s vs 462-464 without; d128
+  // period 4 581-586 vs 607-612.
+  static constexpr int kExp2FmaPeriod = 0;
+  // PV issued k-step by k-step under the exp2 pass (fp8/traits.h): d256 606-610 TFLOP/s vs
+  // 622-623 without (kernel alone, 8k, H200, 2026-12-01): the ping-pong turns instead.
+  static constexpr bool kPipelinedPv = false;
+  static constexpr bool kPingPong = true;
+  static constexpr bool kTailSplit = false;  // fp8/tail_split.h: fp8 kernels only
+  // setmaxnreg budget: 128 * (24 + 2 * 240) = 64512 <= 65536 registers per SM.
+  static constexpr int kConsumerRegs = 240;
+
+  static_assert(kBlockN % 16 == 0, "kBlockN is the K of the PV wgmma (k16 steps)");
+  static_assert(kHeadDim % 16 == 0, "head dim bucket is the N of the PV wgmma and the stmatrix width");
+
+  // O += P V: P from registers (RS), V^T from shared memory where d (the N of this GEMM) is the
+  // contiguous dimension, i.e. an MN-major B operand (wgmma transposes 16-bit B for free).
+  using TiledMmaPV = typename Base::template TiledMmaRs<kHeadDim, kBlockN, GMMA::Major::MN>;
+
+  using typename Base::SmemLayoutQ;
+  using typename Base::SmemLayoutK;
+  using SmemLayoutO = SmemLayoutQ;
   using SmemLayoutV = SmemLayoutK;
   // The same V bytes seen as (d, kBlockN, stage): the B operand of the PV GEMM. With the K-major
   // atom transposed, this is exactly the MN-major canonical GMMA layout.
@@ -103,13 +131,10 @@ struct KernelTraits {
       SmemLayoutV{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{},
                                          Step<_2, _1, _3>{})));
 
-  static constexpr uint32_t kTmaBytesQ = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
-
   // Early Q release (consumer.h): O gets its own buffer, so Q's buffer is free once a tile's last
   // S GEMM completed and the next tile's Q loads under this tile's last softmax, PV GEMM and
   // epilogue. H200 kernel alone, same run: d128 (160 + 32 KB of smem; 2026-12-01) 618-619 vs
-  // 600-605 TFLOP/s non-causal 8k, 544-551 vs 542-543 causal 8k; d64 (96 + 16 KB; ninth session)
+  // 600-605 TFLOP/s non-causal 8k, 544-551 vs 542-543 causal 8k; d64 (96 + 16 KB; 2026-12-01)
   // 458 vs 455-456 non-causal 8k, 407-408 vs 401 causal 8k. d96 is not measured; d192/d256 have
   // no room for O and stage it in Q's buffer.
   static constexpr bool kEarlyQRelease = kHeadDim == 64 || kHeadDim == 128;

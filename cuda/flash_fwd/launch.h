@@ -2,6 +2,7 @@
 // Included only by cuda/instantiations/flash_fwd_hdim<D>_<dtype>.cu.
 #pragma once
 #include "flash_fwd/cute_config.h"
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cuda_runtime.h>
@@ -9,8 +10,8 @@
 
 #include "common/cuda_check.h"
 #include "flash_fwd/flash_fwd.h"
-#include "flash_fwd/kernel.h"
 #include "flash_fwd/kernel_traits.h"
+#include "flash_fwd/launch_common.h"
 
 namespace jax_fa3::fwd {
 
@@ -65,34 +66,12 @@ cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
   const int h_k_desc = no_keys ? 1 : p.h_k;
 
   const FlashFwdScalars scalars = make_scalars(p);
-  Params params{
-      {},  // no extra parameters (ExtraParams<false>)
-      make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(q, p.s_q, p.d, p.h, p.b),
-                    typename Traits::SmemLayoutQ{}, typename Params::TileQ{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(k, s_k_desc, p.d, h_k_desc, p.b),
-                    take<0, 2>(typename Traits::SmemLayoutK{}), typename Params::TileKV{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(v, s_k_desc, p.d, h_k_desc, p.b),
-                    take<0, 2>(typename Traits::SmemLayoutV{}), typename Params::TileKV{}, _1{}),
-      make_tma_copy(SM90_TMA_STORE{},
-                    make_gmem_tensor(static_cast<Element*>(p.o), p.s_q, p.d, p.h, p.b),
-                    typename Traits::SmemLayoutO{}, typename Params::TileQ{}, _1{}),
-      scalars,
-      TileScheduler(p.s_q, Traits::kBlockM, p.h, p.b,
-                    scalars.window_left >= 0 || scalars.window_right >= 0)};
-
-  int device = 0;
+  const Params params = make_kernel_params<Traits>(
+      {}, q, k, make_gmem_tensor(v, s_k_desc, p.d, h_k_desc, p.b), static_cast<Element*>(p.o), p.b,
+      p.s_q, s_k_desc, p.h, h_k_desc, p.d, scalars);
   int num_sms = 0;
-  JAX_FA3_RETURN_IF_CUDA_ERROR(cudaGetDevice(&device));
-  JAX_FA3_RETURN_IF_CUDA_ERROR(
-      cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
-  const int grid = std::min(num_sms, params.scheduler.num_tiles);
-
-  auto* kernel = &flash_fwd_kernel<Traits>;
-  JAX_FA3_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
-  kernel<<<grid, Traits::kNumThreads, Traits::kSmemBytes, stream>>>(params);
-  JAX_FA3_RETURN_IF_LAUNCH_ERROR();
-  return cudaSuccess;
+  JAX_FA3_RETURN_IF_CUDA_ERROR(current_device_sm_count(&num_sms));
+  return launch_kernel(params, std::min(num_sms, params.scheduler.num_tiles), stream);
 }
 
 }  // namespace jax_fa3::fwd

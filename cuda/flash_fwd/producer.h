@@ -20,7 +20,7 @@
 #include "flash_fwd/barriers.h"
 #include "flash_fwd/block_info.h"
 #include "flash_fwd/kernel_params.h"
-#include "flash_fwd/tail_split.h"
+#include "flash_fwd/fp8/tail_split.h"
 
 namespace jax_fa3::fwd {
 
@@ -40,7 +40,7 @@ __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
   // Coordinate tensors of the TMA descriptors (no pointers: TMA addresses by coordinates).
   Tensor mQ = p.tma_q.get_tma_tensor(GmemShape(sc.s_q, sc.d, sc.h, sc.b));
   Tensor mK = p.tma_k.get_tma_tensor(GmemShape(sc.s_k, sc.d, sc.h_k, sc.b));
-  // fp8: V^T (d, s_pad, h_k, b) from the transpose pre-pass (fp8_vt.h), keys contiguous.
+  // fp8: V^T (d, s_pad, h_k, b) from the transpose pre-pass (fp8/vt.h), keys contiguous.
   Tensor mV = [&] {
     if constexpr (Traits::kFp8) {
       return p.tma_v.get_tma_tensor(GmemShape(sc.d, p.s_pad, sc.h_k, sc.b));
@@ -58,7 +58,7 @@ __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
         item_blocks<Traits::kTailSplit>(p.scheduler, index, kBlockM, kBlockN, sc);
     const TileCoord c = work.tile;
     const int kv_head = c.head / group;
-    // A tail-split piece (tail_split.h) visits part of the tile's blocks; the low piece's top
+    // A tail-split piece (fp8/tail_split.h) visits part of the tile's blocks; the low piece's top
     // blocks (>= max_only_from) feed only its row maxima and need no V.
     const BlockRange range = work.piece.visit;
     Tensor gQ = local_tile(mQ(_, _, c.head, c.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},

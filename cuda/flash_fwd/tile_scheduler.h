@@ -3,7 +3,7 @@
 // walk the same sequence, so they agree on every tile (and on how many K/V blocks each one loads)
 // without talking to each other.
 //
-// Tail split (fp8 kernels without a mask, tail_split.h): when the last round holds L tiles and
+// Tail split (fp8 kernels without a mask, fp8/tail_split.h): when the last round holds L tiles and
 // 2L <= gridDim.x, so that all but L CTAs would idle through it, each of those L tiles runs as two
 // pieces on two CTAs (the high piece takes the top K/V blocks, the low piece the rest), and the
 // CTA that finishes its piece second merges the two partials. Items [num_tiles - L,

@@ -7,8 +7,8 @@
 
 #include "common/cuda_check.h"
 #include "common/float_convert.cuh"
-#include "flash_fwd/flash_fwd_fp8.h"
-#include "flash_fwd/fp8_vt_store.h"
+#include "flash_fwd/fp8/flash_fwd_fp8.h"
+#include "flash_fwd/fp8/vt_store.h"
 
 namespace jax_fa3 {
 namespace {

@@ -24,9 +24,9 @@ struct RotateQuantizeParams {
   int d;
   int block_size;       // tokens per scale, >= 1
   DType dtype;          // kFloat32, kBFloat16 or kFloat16
-  // Write the values in the fp8 forward's V layout (flash_fwd/fp8_vt.h): (b, h, d, s_pad), s_pad
+  // Write the values in the fp8 forward's V layout (flash_fwd/fp8/vt.h): (b, h, d, s_pad), s_pad
   // = s rounded up to 32 (flash_fwd_fp8_key_pad), keys permuted per group of 32
-  // (fp8_layout.h), zero past s. The forward then skips its V pre-pass. Needs one block per
+  // (fp8/layout.h), zero past s. The forward then skips its V pre-pass. Needs one block per
   // head (block_size >= s): v's quantization.
   bool keys_transposed;
   // (b, h, d) float32 subtracted from every token of its (batch, head) after the rotation, before

@@ -1,5 +1,5 @@
 // Host-side checks (CuTe's layout algebra on the host; no GPU) of the fp8 forward's P/V layout
-// fact (cuda/flash_fwd/fp8_layout.h), for every fp8 head-dim bucket. Exit status 0 when all hold.
+// fact (cuda/flash_fwd/fp8/layout.h), for every fp8 head-dim bucket. Exit status 0 when all hold.
 //  1. fp8_key_of_slot is a bijection of 0..31 (so the permuted Vt has every key once).
 //  2. For every consumer thread (both warpgroups), every k32 step s, A register a and byte e: the
 //     S accumulator value the kernel packs there (flat 16s + fp8_p_source(a, e), see
@@ -8,15 +8,15 @@
 //     the transpose pre-pass stores at Vt slot k.
 //  3. The S fragment coordinates agree with FragCoord / frag_row / frag_col (masks, descale).
 //  4. End to end on integers: A (built from S by the kernel's packing) times Vt (V rows permuted as
-//     fp8_vt.h stores them) equals S times V for a random S and V.
+//     fp8/vt.h stores them) equals S times V for a random S and V.
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
 
 #include <cute/tensor.hpp>  // before the traits, as in the kernel TUs
 
-#include "flash_fwd/fp8_layout.h"
-#include "flash_fwd/fp8_traits.h"
+#include "flash_fwd/fp8/layout.h"
+#include "flash_fwd/fp8/traits.h"
 #include "flash_fwd/softmax.h"
 
 using namespace cute;
@@ -89,7 +89,7 @@ int check_bucket() {
       }
     }
   }
-  // 4. A * Vt == S * V, Vt[slot k] = V[32*(k/32) + key_of_slot(k % 32)] (fp8_vt.h).
+  // 4. A * Vt == S * V, Vt[slot k] = V[32*(k/32) + key_of_slot(k % 32)] (fp8/vt.h).
   for (int m = 0; m < kBlockM && errors == 0; ++m) {
     for (int n = 0; n < kHeadDim; ++n) {
       long lhs = 0, rhs = 0;
@@ -114,7 +114,7 @@ int main() {
   int errors = 0;
   errors += check_bucket<64>();
   errors += check_bucket<128>();
-  errors += check_bucket<128, 128>();  // d128's second kernel (flash_fwd_fp8.h, fp8_block_m)
+  errors += check_bucket<128, 128>();  // d128's second kernel (fp8/flash_fwd_fp8.h, fp8_block_m)
   errors += check_bucket<256>();
   return errors ? 1 : 0;
 }

@@ -28,18 +28,18 @@
 #include <string>
 #include <vector>
 
-#include "flash_fwd/fp8_launch.h"
+#include "flash_fwd/fp8/launch.h"
 #include "flash_fwd/launch.h"
 
 #ifndef TOOL_HDIM
 #define TOOL_HDIM 128
 #endif
-// fp8: rows per tile; the library picks d128's per call (flash_fwd_fp8.h, fp8_block_m), the tool
-// times the one it was built with and says when the library would pick the other.
+// fp8: rows per tile; the library picks d128's per call (fp8/flash_fwd_fp8.h, fp8_block_m), the
+// tool times the one it was built with and says when the library would pick the other.
 #ifndef TOOL_BLOCK_M
 #define TOOL_BLOCK_M jax_fa3::fp8_default_block_m(TOOL_HDIM)
 #endif
-// flash_fwd_fp8.h / flash_fwd.h declare the instantiations extern; this tool compiles its own.
+// fp8/flash_fwd_fp8.h / flash_fwd.h declare the instantiations extern; this tool compiles its own.
 #ifdef TOOL_BF16
 template cudaError_t jax_fa3::run_flash_fwd<TOOL_HDIM, jax_fa3::DType::kBFloat16>(
     const jax_fa3::FlashFwdParams&, cudaStream_t);
@@ -75,7 +75,7 @@ std::vector<uint8_t> random_e4m3(size_t n, std::mt19937& rng) {
 // What the library feeds the kernel: N(0, 1) values quantized as jax_fa3.quantize_fp8 does, one
 // scale per `block` tokens of a (batch, head) (amax * float32(1/448)), v with one scale per head.
 // layout (b, s, h, d); scales (b, h, ceil(s / block)). The kernel's time depends on the data (H200,
-// fifteenth session: +1.3% on these inputs against random e4m3 values with random scales).
+// 2026-12-02: +1.3% on these inputs against random e4m3 values with random scales).
 // centred_by (v): each (batch, head, dim)'s mean over the tokens, subtracted before quantizing
 // (jax_fa3/fp8.py, step 2), the kernel's v_mean.
 std::vector<uint8_t> quantized_normal(int b, int s, int h, int d, int block, std::mt19937& rng,
@@ -158,7 +158,7 @@ int main(int argc, char** argv) {
   const int block_size = 64, nb = (s + block_size - 1) / block_size;
   std::vector<float> qs, ks, vs, v_mean(size_t(b) * h * d, 0.f);
   std::vector<uint8_t> hq, hk, hv;
-  // TOOL_INPUTS=e4m3: the earlier inputs, random e4m3 values with random scales in [0.5, 1.5]/64.
+  // TOOL_INPUTS=e4m3: random e4m3 values with random scales in [0.5, 1.5]/64.
   const char* inputs = std::getenv("TOOL_INPUTS");
   if (inputs != nullptr && std::string(inputs) == "e4m3") {
     std::uniform_real_distribution<float> uni(0.5f / 64, 1.5f / 64);
@@ -170,7 +170,7 @@ int main(int argc, char** argv) {
     hq = quantized_normal(b, s, h, d, block_size, rng, qs);
     hk = quantized_normal(b, s, h, d, block_size, rng, ks);
     // TOOL_V_MEAN=m: v ~ N(m, 1), whose PV sums grow with the keys instead of cancelling (the
-    // fp8 wgmma accumulates with ~13 mantissa bits: benchmarks/RESULTS.md, twenty-first session).
+    // fp8 wgmma accumulates with ~13 mantissa bits: H200, 2026-12-03, benchmarks/RESULTS.md).
     // V is centred as the library does; TOOL_CENTRE_V=0 quantizes it as is (v_mean 0).
     const char* shift = std::getenv("TOOL_V_MEAN");
     const char* centre = std::getenv("TOOL_CENTRE_V");
@@ -310,7 +310,7 @@ int main(int argc, char** argv) {
     const int kRows = 24;
     for (int t = 0; t < kRows; ++t) {
       // Every 4th row from the last (batch, head): the last tiles, split in two pieces where the
-      // last round is short (tail_split.h).
+      // last round is short (fp8/tail_split.h).
       const bool last_tiles = t % 4 == 1;
       const int bi = last_tiles ? b - 1 : pick_b(rng), hi = last_tiles ? h - 1 : pick_h(rng);
       const int row = t == 0 ? s - 1 : pick_row(rng);
@@ -339,7 +339,7 @@ int main(int argc, char** argv) {
     // The same without the tail split. Its pieces quantize P as the whole tile does, but the fp8
     // tensor cores accumulate O with ~14 bits relative to the running sum, so accumulating the low
     // blocks from zero instead of on top of the high ones moves outputs by a few bf16 steps (H200,
-    // fourteenth session: 1.2% of d128 8k outputs differ, 449 by more than one step). The check:
+    // 2026-12-02: 1.2% of d128 8k outputs differ, 449 by more than one step). The check:
     // on the row where the two differ most, the split output is as close to float64 as the whole.
     const size_t n_out = size_t(b) * s * h * d;
     std::vector<uint16_t> split_out(n_out), whole_out(n_out);
@@ -373,7 +373,7 @@ int main(int argc, char** argv) {
                 "split %.4g, whole %.4g%s\n", differ, n_out, max_diff, rms, bad, wb, wh, wrow,
                 split_err, whole_err, split_err <= 1.5 * whole_err + 5e-3 ? "" : "  FAILED");
     // Alternating repeats: between runs the GPU's clock moves by about as much as the split gains
-    // (H200, fifteenth session: the same unsplit kernel at 852-866 TFLOP/s in three processes).
+    // (H200, 2026-12-02: the same unsplit kernel at 852-866 TFLOP/s in three processes).
     for (int rep = 0; !quick && rep < 3; ++rep) {
       p.tail_split = true;
       time_launches("  again, tail split");

@@ -5,7 +5,7 @@
 // Why: the fp8 tensor cores add each product into the fp32 accumulator with about 13 mantissa bits
 // (aligned to the larger exponent, truncated). Where V's values share a sign, the terms of PV never
 // cancel, the accumulator grows with the keys and each addition drops more of the next product:
-// V ~ N(2, 1) came out 7% low at 4k keys and 15% at 8k (H200, twenty-first session). Centred, the
+// V ~ N(2, 1) came out 7% low at 4k keys and 15% at 8k (H200, 2026-12-03). Centred, the
 // accumulator holds a sum of terms of both signs, as with zero-mean V (0.03 row error at 8k).
 #pragma once
 #include <cute/tensor.hpp>
@@ -56,7 +56,7 @@ __device__ __forceinline__ void add_v_mean(FragO& o, const float* mean, int col0
     for (int r = 0; r < 2; ++r) {
       if (inv_sum[r] == 0.f) continue;
       // __fadd_rn: not contracted with the normalization's product into an FMA, so that the
-      // tail split's merge (tail_split.h), which rounds both, writes the same bits.
+      // tail split's merge (fp8/tail_split.h), which rounds both, writes the same bits.
       o(4 * v + 2 * r) = __fadd_rn(o(4 * v + 2 * r), m.x);
       o(4 * v + 2 * r + 1) = __fadd_rn(o(4 * v + 2 * r + 1), m.y);
     }

@@ -9,11 +9,11 @@
 #include <cute/tensor.hpp>
 
 #include "common/cuda_check.h"
-#include "flash_fwd/flash_fwd_fp8.h"
-#include "flash_fwd/fp8_traits.h"
-#include "flash_fwd/fp8_vt.h"
-#include "flash_fwd/kernel.h"
+#include "flash_fwd/fp8/flash_fwd_fp8.h"
+#include "flash_fwd/fp8/traits.h"
+#include "flash_fwd/fp8/vt.h"
 #include "flash_fwd/launch.h"
+#include "flash_fwd/launch_common.h"
 
 namespace jax_fa3::fwd {
 
@@ -56,11 +56,8 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
                                   ? fp8_tail_split_slots(p.b, p.s_q, p.s_k, p.h, p.d, masked)
                                   : 0;
   auto* split_partials = k_col + int64_t(p.b) * p.h_k * s_pad;
-  int device = 0;
   int num_sms = 0;
-  JAX_FA3_RETURN_IF_CUDA_ERROR(cudaGetDevice(&device));
-  JAX_FA3_RETURN_IF_CUDA_ERROR(
-      cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device));
+  JAX_FA3_RETURN_IF_CUDA_ERROR(current_device_sm_count(&num_sms));
   // With s_k == 0 no K/V block is ever loaded (every row is empty: O = 0, LSE = +inf), so the K
   // and Vt descriptors over Q's memory with tiny extents are never dereferenced.
   const auto* q = static_cast<const Element*>(p.q);
@@ -72,18 +69,8 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   const int s_pad_desc = no_keys ? 16 : s_pad;
   const int d_desc = no_keys ? 1 : p.d;
 
-  FlashFwdParams common{};
-  common.b = p.b;
-  common.s_q = p.s_q;
-  common.s_k = p.s_k;
-  common.h = p.h;
-  common.h_k = p.h_k;
-  common.d = p.d;
-  common.softmax_scale = p.softmax_scale;
-  common.softcap = 0.f;
-  common.window_left = p.window_left;
-  common.window_right = p.window_right;
-  common.lse = p.lse;
+  FlashFwdParams common = p;
+  common.softcap = 0.f;  // no softcap in fp8
   const FlashFwdScalars scalars = make_scalars(common);
 
   ExtraParams<true> extra;
@@ -100,20 +87,9 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
   extra.tail_partials = split_partials;
   extra.out = p.o;
 
-  Params params{
-      extra,
-      make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(q, p.s_q, p.d, p.h, p.b),
-                    typename Traits::SmemLayoutQ{}, typename Params::TileQ{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(k, s_k_desc, p.d, h_k_desc, p.b),
-                    take<0, 2>(typename Traits::SmemLayoutK{}), typename Params::TileKV{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, make_vt_gmem_tensor(vt_e, d_desc, s_pad_desc, h_k_desc, b_desc),
-                    take<0, 2>(typename Traits::SmemLayoutV{}), typename Params::TileV{}, _1{}),
-      make_tma_copy(SM90_TMA_STORE{},
-                    make_gmem_tensor(static_cast<ElementOut*>(p.o), p.s_q, p.d, p.h, p.b),
-                    typename Traits::SmemLayoutO{}, typename Params::TileQ{}, _1{}),
-      scalars,
-      TileScheduler(p.s_q, Traits::kBlockM, p.h, p.b,
-                    scalars.window_left >= 0 || scalars.window_right >= 0)};
+  Params params = make_kernel_params<Traits>(
+      extra, q, k, make_vt_gmem_tensor(vt_e, d_desc, s_pad_desc, h_k_desc, b_desc),
+      static_cast<ElementOut*>(p.o), p.b, p.s_q, s_k_desc, p.h, h_k_desc, p.d, scalars);
 
   const int grid = std::min(num_sms, params.scheduler.num_tiles);
   int split = 0;
@@ -152,12 +128,7 @@ cudaError_t launch_fp8(const FlashFwdFp8Params& p, cudaStream_t stream) {
     JAX_FA3_RETURN_IF_LAUNCH_ERROR();
   }
 
-  auto* kernel = &flash_fwd_kernel<Traits>;
-  JAX_FA3_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
-  kernel<<<grid, Traits::kNumThreads, Traits::kSmemBytes, stream>>>(params);
-  JAX_FA3_RETURN_IF_LAUNCH_ERROR();
-  return cudaSuccess;
+  return launch_kernel(params, grid, stream);
 }
 
 }  // namespace jax_fa3::fwd

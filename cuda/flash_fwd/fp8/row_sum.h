@@ -7,7 +7,7 @@
 // Precision: the fp8 wgmma adds into its fp32 accumulator with about 13 mantissa bits, each
 // product aligned to the larger exponent and truncated (SageAttention2's "FP22"). On the H200 an
 // all-ones selector carried through 8k keys came back up to 17% low, and even within one
-// 128-key block a flat row lost 1.1% (session 21). Hence:
+// 128-key block a flat row lost 1.1% (2026-12-03). Hence:
 // - the selector's columns 2j and 2j + 1 take the keys of k-step j only, so each column gets
 //   its products from one wgmma and the other three add zeros; thread t of a quad holds columns
 //   2t and 2t + 1, the sum of k-step t, and finalize()'s quad sum adds the steps up;

@@ -6,33 +6,28 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "flash_fwd/params.h"
+
 namespace jax_fa3 {
 
-struct FlashFwdFp8Params {
+// The 16-bit call's fields (params.h: q, k, v, o, lse, the sizes, softmax_scale and the window;
+// dtype and softcap are not read) and the fp8 call's own.
+struct FlashFwdFp8Params : FlashFwdParams {
   // q8 (b, s_q, h, d), k8 (b, s_k, h_k, d) e4m3, contiguous; v8 (b, s_k, h_k, d) e4m3, or with
-  // v_transposed already in the kernel's layout Vt (b, h_k, d, s_pad) (fp8_vt.h: keys permuted
+  // v_transposed already in the kernel's layout Vt (b, h_k, d, s_pad) (fp8/vt.h: keys permuted
   // per 32, zero past s_k; the rotate + quantize pass writes it); o (b, s_q, h, d) bf16;
   // lse (b, h, s_q) f32; q_scale (b, h, ceil(s_q / block_size)), k_scale (b, h_k,
   // ceil(s_k / block_size)), v_scale (b, h_k) f32; v_mean (b, h_k, d) f32: what V was centred by
-  // before its quantization (added back to every row that sees a key: fp8_v_mean.h).
-  const void* q;
-  const void* k;
-  const void* v;
+  // before its quantization (added back to every row that sees a key: fp8/v_mean.h).
   const float* q_scale;
   const float* k_scale;
   const float* v_scale;
   const float* v_mean;
-  void* o;
-  float* lse;
   void* workspace;  // flash_fwd_fp8_workspace_bytes(b, h_k, s_k, d, v_transposed), 16-byte aligned
   bool v_transposed;
-  int b, s_q, s_k, h, h_k, d;
   int block_size;
-  float softmax_scale;
-  int window_left;   // -1 = unbounded
-  int window_right;  // -1 = unbounded; causal arrives as 0
-  // Split the last round's tiles over two CTAs each where the workspace has room (tail_split.h).
-  // Off only to time the kernel without it (tools/fwd_timeline.cu).
+  // Split the last round's tiles over two CTAs each where the workspace has room
+  // (fp8/tail_split.h). Off only to time the kernel without it (tools/fwd_timeline.cu).
   bool tail_split = true;
 };
 
@@ -70,13 +65,13 @@ inline int fp8_head_dim_bucket(int d) {
   return 0;
 }
 
-// Rows per tile (kBlockM) of each bucket's fp8 kernels (fp8_traits.h says why): 192 = three
+// Rows per tile (kBlockM) of each bucket's fp8 kernels (fp8/traits.h says why): 192 = three
 // consumer warpgroups with the PV GEMM pipelined under the exp2 pass, 128 = two. d128 has both
 // and picks per call (fp8_block_m).
 constexpr int fp8_default_block_m(int bucket) { return bucket == 256 ? 128 : 192; }
 
 // d128 causal: 192-row tiles only from this many query rows. Kernel alone, causal, 192 vs 128
-// rows (H200, 2026-12-01, eleventh session, benchmarks/RESULTS.md): 2k 437-448 vs 466-475, 4k
+// rows (H200, 2026-12-01, benchmarks/RESULTS.md): 2k 437-448 vs 466-475, 4k
 // 595 vs 620, 8k 717-735 vs 696-709, 16k 807 vs 781. In short causal calls the diagonal blocks
 // (masked, partly wasted) are a larger share of the work, and more so with taller tiles.
 constexpr int kFp8D128TallCausalMinSeqlen = 8192;
@@ -93,13 +88,13 @@ inline int fp8_block_m(int bucket, const FlashFwdFp8Params& p) {
 
 // Whether the kernel releases Q's buffer after each tile's last S GEMM, so that the next tile's Q
 // loads under this tile's last softmax, PV GEMM and epilogue, instead of after the TMA store of O.
-// Kernel alone, d128 192-row tiles, non-causal, b*s = 16k, h = 16, same run (H200, twelfth
-// session, benchmarks/RESULTS.md): 2k 713-714 vs 689-690 TFLOP/s, 4k 791-799 vs 786-787, but 8k
-// 840 vs 846-847 and causal 8k 746-750 vs 747. Earlier, on d128 / d64 with 128-row tiles and
-// ping-pong turns (eighth session): 8k 771 vs 803, causal 2k 463 vs 466; those keep it off.
+// Kernel alone, d128 192-row tiles, non-causal, b*s = 16k, h = 16, same run (H200, 2026-12-02,
+// benchmarks/RESULTS.md): 2k 713-714 vs 689-690 TFLOP/s, 4k 791-799 vs 786-787, but 8k 840 vs
+// 846-847 and causal 8k 746-750 vs 747. On d128 / d64 with 128-row tiles and ping-pong turns
+// (H200, 2026-12-01): 8k 771 vs 803, causal 2k 463 vs 466; those keep it off.
 // Only the kernels that may do so read the per-call flag: in the others a run-time check alone
-// changed ptxas's schedule (fp8 d64 470 vs 530 TFLOP/s kernel alone at 8k, same run, twelfth
-// session).
+// changed ptxas's schedule (fp8 d64 470 vs 530 TFLOP/s kernel alone at 8k, same run, H200,
+// 2026-12-02).
 constexpr int kFp8EarlyQReleaseMaxSeqlenK = 4096;
 constexpr bool fp8_may_release_q_early(int bucket, int block_m) {
   return bucket == 128 && block_m == 192;
@@ -108,10 +103,10 @@ inline bool fp8_early_q_release(int bucket, int block_m, const FlashFwdFp8Params
   return fp8_may_release_q_early(bucket, block_m) && p.s_k <= kFp8EarlyQReleaseMaxSeqlenK;
 }
 
-// Keys per K/V block of every fp8 kernel (fp8_traits.h, BlockNFp8).
+// Keys per K/V block of every fp8 kernel (fp8/traits.h).
 constexpr int kFp8BlockN = 128;
 
-// Tail split (tail_split.h): at most this many tiles of a last round are split, half of an
+// Tail split (fp8/tail_split.h): at most this many tiles of a last round are split, half of an
 // H100's or H200's 132 SMs (a split needs two CTAs per tile); and at most a third of the call's
 // tiles (a split round follows at least one full round of as many CTAs as twice its tiles).
 constexpr int kFp8TailSplitMaxTiles = 66;
@@ -129,13 +124,13 @@ inline int64_t fp8_tail_split_slots(int64_t b, int64_t s_q, int64_t s_k, int64_t
 }
 
 // One slot: the partial O of a piece in fp32 (the consumer fragments, block_m x bucket) and four
-// floats of row statistics per consumer thread (2 * block_m threads): tail_split.h,
+// floats of row statistics per consumer thread (2 * block_m threads): fp8/tail_split.h,
 // TailSlotLayout.
 inline int64_t fp8_tail_split_slot_bytes(int bucket) {
   return int64_t(fp8_default_block_m(bucket)) * (4 * bucket + 32);
 }
 
-// The split tiles' tickets (one int each, tail_split.h), padded to 16 bytes.
+// The split tiles' tickets (one int each, fp8/tail_split.h), padded to 16 bytes.
 inline int64_t fp8_tail_split_ticket_bytes(int64_t slots) { return (slots / 2 * 4 + 15) / 16 * 16; }
 
 // Workspace, in this order: Vt (b, h_k, d, s_pad) e4m3 unless V arrives transposed; the per-key
@@ -155,7 +150,7 @@ inline size_t flash_fwd_fp8_workspace_bytes(int64_t b, int64_t s_q, int64_t s_k,
 }
 
 // One specialization per cuda/instantiations/flash_fwd_hdim<D>_e4m3*.cu. The extern declarations
-// keep every other translation unit that sees the template's definition (fp8_launch.h) from
+// keep every other translation unit that sees the template's definition (fp8/launch.h) from
 // instantiating all buckets through launch_flash_fwd_fp8 below: each instantiation file then
 // compiles its own kernel only.
 template <int kHeadDim, int kBlockM>

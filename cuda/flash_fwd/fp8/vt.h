@@ -1,5 +1,5 @@
 // The fp8 forward's pre-pass: V (b, s_k, h_k, d) e4m3 -> Vt (b, h_k, d, s_pad) e4m3, keys
-// contiguous and permuted inside each group of 32 (fp8_layout.h), zero for keys >= s_k; and the
+// contiguous and permuted inside each group of 32 (fp8/layout.h), zero for keys >= s_k; and the
 // k scales k_col (b, h_k, s_pad) f32 the consumer reads without a division: one per 32-key group
 // or one per key (fp8_k_col_entry; 1 past s_k: any positive value, the consumer masks those
 // keys); and the tail split's tickets cleared.
@@ -8,8 +8,8 @@
 
 #include <cstdint>
 
-#include "flash_fwd/fp8_softmax.h"
-#include "flash_fwd/fp8_vt_store.h"
+#include "flash_fwd/fp8/softmax.h"
+#include "flash_fwd/fp8/vt_store.h"
 
 namespace jax_fa3::fwd {
 
@@ -29,7 +29,7 @@ __device__ __forceinline__ float fp8_k_col_entry(const float* __restrict__ k_sca
   return key < s_k ? k_scale[bh * num_k_blocks + key / block_size] : 1.f;
 }
 
-// The tail split's tickets (tail_split.h, merge_if_last_piece) start at 0 in every call: the
+// The tail split's tickets (fp8/tail_split.h, merge_if_last_piece) start at 0 in every call: the
 // workspace is XLA scratch with whatever a previous op left there. Block 0 of the pre-kernel,
 // which runs before the main kernel on the stream, clears them (at most kFp8TailSplitMaxTiles).
 __device__ __forceinline__ void zero_tail_tickets(int* tickets, int n) {
@@ -50,7 +50,7 @@ constexpr int kVtThreads = 128;
 // one key) from shared memory and transposes 4x4 bytes with byte permutes, so it writes one full
 // 32-byte sector per dim. Both shared-memory phases touch 32 consecutive words per warp
 // instruction: no bank conflicts.
-// Pre-pass alone, d128, b*s = 16k tokens, h = 16 (32 MB in, 32 MB out; H200, twelfth session,
+// Pre-pass alone, d128, b*s = 16k tokens, h = 16 (32 MB in, 32 MB out; H200, 2026-12-02,
 // benchmarks/RESULTS.md): one tile per CTA (grid = #tiles, ~1.2 waves) 40-41 us; persistent with
 // 4 / 8 / 16 CTAs per SM 36-37 / 35-37 / 35-36 us. Kernel alone with it (8 per SM): +0.4-0.9%.
 constexpr int kVtCtasPerSm = 8;

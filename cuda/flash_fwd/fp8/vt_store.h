@@ -1,11 +1,11 @@
-// The store half of the transposed V layout (fp8_layout.h), shared by its two writers: the fp8
-// forward's pre-pass (fp8_vt.h, from e4m3 V) and the keys-transposed mode of the rotate + quantize
+// The store half of the transposed V layout (fp8/layout.h), shared by its two writers: the fp8
+// forward's pre-pass (fp8/vt.h, from e4m3 V) and the keys-transposed mode of the rotate + quantize
 // pass (quantize/rotate_quantize.cu, straight from bf16/fp16/fp32 V). Both stage whole keys in
 // shared memory as 32-bit words (4 dims of one key) and then store per dim.
 #pragma once
 #include <cstdint>
 
-#include "flash_fwd/fp8_layout.h"
+#include "flash_fwd/fp8/layout.h"
 
 namespace jax_fa3::fwd {
 

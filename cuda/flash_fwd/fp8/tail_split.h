@@ -19,10 +19,10 @@
 // float32 rounding (one exp2 rescales the high partial instead of a product of per-block factors).
 //
 // Where the merge runs: in the main kernel, by whichever CTA finishes its piece second, after its
-// persistent loop (merge_if_last_piece). A first build merged inside the loop's epilogue, and
-// ptxas spilled 16-20 bytes of loop invariants of the 192-row d128 kernel into the main loop; a
-// second one used a separate merge kernel, which cost as much as the split gained (ncu, H200,
-// d128 8k: main kernel 1.21 ms vs 1.24 ms unsplit, merge kernel 12.5 us plus the launch gap).
+// persistent loop (merge_if_last_piece). Merged inside the loop's epilogue, ptxas spills 16-20
+// bytes of loop invariants of the 192-row d128 kernel into the main loop; a separate merge kernel
+// costs as much as the split gains (ncu, H200, 2026-12-02, d128 8k: main kernel 1.21 ms vs 1.24
+// ms unsplit, merge kernel 12.5 us plus the launch gap).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -33,7 +33,7 @@
 
 #include "flash_fwd/barriers.h"
 #include "flash_fwd/block_info.h"
-#include "flash_fwd/fp8_softmax.h"
+#include "flash_fwd/fp8/softmax.h"
 #include "flash_fwd/params.h"
 #include "flash_fwd/softmax.h"
 #include "flash_fwd/tile_scheduler.h"
@@ -100,7 +100,7 @@ __host__ __device__ __forceinline__ int tail_split_tiles(int num_tiles, int grid
   return last_round > 0 && 2 * last_round <= grid && last_round <= max_tiles ? last_round : 0;
 }
 
-// The workspace area of the split tiles (flash_fwd_fp8.h sizes it): 2L slots, the high pieces'
+// The workspace area of the split tiles (fp8/flash_fwd_fp8.h sizes it): 2L slots, the high pieces'
 // (0..L-1) then the low pieces' (L..2L-1), each holding a piece's partial O in float4 vectors
 // [vector][consumer thread] (coalesced stores and loads) and then its per-thread row statistics
 // (row_max[2], row_sum[2]; row_sum is the thread's partial sum, quad-summed at the end).
@@ -152,7 +152,7 @@ __device__ __forceinline__ float merge_terms(float a, float fa, float b, float f
 // The merge of split tile `tile` (0..L-1), run by the consumer threads (thread_idx 0..2*kBlockM-1)
 // of whichever CTA finished its piece second: thread t takes over what consumer thread t held in
 // both pieces (same fragment layout, so the quad sums of finalize() pair the same lanes). O =
-// merged O * v_scale / (2^6 * row sum) + v_mean (rows that saw a key: fp8_v_mean.h) in bf16,
+// merged O * v_scale / (2^6 * row sum) + v_mean (rows that saw a key: fp8/v_mean.h) in bf16,
 // rounded as the epilogue rounds, and the LSE, straight to global memory. The partials are read
 // past L1 (__ldcg): the other CTA wrote them.
 template <int kHeadDim, int kBlockM, class Params>
@@ -179,14 +179,15 @@ __device__ __forceinline__ void merge_tail_tile(const Params& p, int tile, const
   }
   const int kv_head = c.head / (sc.h / sc.h_k);
   float inv_sum[2], lse[2];
-  merged.finalize(__ldg(p.v_scale + int64_t(c.batch) * sc.h_k + kv_head), inv_sum, lse);
+  merged.finalize(sc.scale_log2, __ldg(p.v_scale + int64_t(c.batch) * sc.h_k + kv_head), inv_sum,
+                  lse);
 
   const FragCoord fc = FragCoord::of_thread(thread_idx % 128);
   const int row0 = c.m_block * kBlockM + 64 * (thread_idx / 128) + fc.row0;
   const float4* high_o = Layout::o(partials, tile) + thread_idx;
   const float4* low_o = Layout::o(partials, split_tiles + tile) + thread_idx;
   auto* out = static_cast<__nv_bfloat16*>(p.out);
-  const float* mean = p.v_mean + (int64_t(c.batch) * sc.h_k + kv_head) * sc.d;  // fp8_v_mean.h
+  const float* mean = p.v_mean + (int64_t(c.batch) * sc.h_k + kv_head) * sc.d;  // fp8/v_mean.h
 #pragma unroll 4
   for (int v = 0; v < Layout::kVectors; ++v) {
     const float4 a = __ldcg(high_o + v * Layout::kThreads);
@@ -221,7 +222,7 @@ __device__ __forceinline__ void merge_tail_tile(const Params& p, int tile, const
 // was a piece of a split tile, the CTA takes the tile's ticket; the CTA that finds the other piece
 // already done merges the two. One atomic per piece: no CTA ever waits for another, so the merge
 // needs no co-residency. The tickets (TailSlotLayout::tickets) are zeroed by the pre-kernel that
-// runs before the main kernel on the stream (fp8_vt.h).
+// runs before the main kernel on the stream (fp8/vt.h).
 // ticket_smem: one int of shared memory to broadcast the ticket.
 // Not inlined: as inlined code after the persistent loop it changed ptxas's register allocation
 // of the loop itself (32 bytes spilled in the 192-row d128 kernel: a reload before each S GEMM).

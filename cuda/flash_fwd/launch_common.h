@@ -1,0 +1,58 @@
+// Host side shared by the 16-bit (launch.h) and fp8 (fp8/launch.h) launches: the kernel
+// parameters with their TMA descriptors, the SM count, and the launch itself.
+#pragma once
+#include "flash_fwd/cute_config.h"
+#include <cuda_runtime.h>
+#include <cute/tensor.hpp>
+
+#include "common/cuda_check.h"
+#include "flash_fwd/kernel.h"
+#include "flash_fwd/kernel_params.h"
+
+namespace jax_fa3::fwd {
+
+// Where one call's tensors are, as its TMA descriptors see them: Q and O (b, s_q, h, d), K
+// (b, s_k, h_k, d), and V's global view, which the caller builds (16-bit: like K; fp8: the
+// transposed Vt). s_k and h_k are those of the descriptors (1 for a call without keys, whose K/V
+// blocks are never loaded).
+template <class Traits, class GmemV>
+KernelParams<Traits> make_kernel_params(const ExtraParams<Traits::kFp8>& extra,
+                                        const typename Traits::Element* q,
+                                        const typename Traits::Element* k, GmemV const& v,
+                                        typename Traits::ElementOut* o, int b, int s_q, int s_k,
+                                        int h, int h_k, int d, const FlashFwdScalars& scalars) {
+  using Params = KernelParams<Traits>;
+  return Params{
+      extra,
+      make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(q, s_q, d, h, b),
+                    typename Traits::SmemLayoutQ{}, typename Params::TileQ{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(k, s_k, d, h_k, b),
+                    take<0, 2>(typename Traits::SmemLayoutK{}), typename Params::TileKV{}, _1{}),
+      make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutV{}),
+                    typename Params::TileV{}, _1{}),
+      make_tma_copy(SM90_TMA_STORE{}, make_gmem_tensor(o, s_q, d, h, b),
+                    typename Traits::SmemLayoutO{}, typename Params::TileQ{}, _1{}),
+      scalars,
+      TileScheduler(s_q, Traits::kBlockM, h, b,
+                    scalars.window_left >= 0 || scalars.window_right >= 0)};
+}
+
+// The current device's SM count: the persistent grid's upper bound.
+inline cudaError_t current_device_sm_count(int* num_sms) {
+  int device = 0;
+  JAX_FA3_RETURN_IF_CUDA_ERROR(cudaGetDevice(&device));
+  return cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
+}
+
+// The kernel on `grid` persistent CTAs, with its shared memory.
+template <class Traits>
+cudaError_t launch_kernel(const KernelParams<Traits>& params, int grid, cudaStream_t stream) {
+  auto* kernel = &flash_fwd_kernel<Traits>;
+  JAX_FA3_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));
+  kernel<<<grid, Traits::kNumThreads, Traits::kSmemBytes, stream>>>(params);
+  JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+  return cudaSuccess;
+}
+
+}  // namespace jax_fa3::fwd
