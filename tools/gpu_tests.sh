@@ -10,7 +10,10 @@
 #
 # Writes $OUT (default ./gpu_out)/<chunk>.xml (JUnit) and <chunk>.log. A chunk killed by its
 # time limit (CHUNK_TIMEOUT seconds, default 520) has no report: its files are listed as TIMEOUT.
-# The chunks are sized to stay under 9 minutes on one H200; tests that need two GPUs skip on one.
+# Tests that need two GPUs skip on one.
+# JOBS (default: cores / 2, at most 12) pytest-xdist workers share the GPU where pytest-xdist is
+# installed: most of a test's time is XLA compiling on the host. The `large` chunk (tensors past
+# 2^31 elements, ~60 GB of GPU memory a test) always runs in one process.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -19,8 +22,10 @@ mkdir -p "$OUT"
 CHUNK_TIMEOUT="${CHUNK_TIMEOUT:-520}"
 
 declare -A CHUNKS=(
-  # The bf16/fp16 forward, Hadamard, exp2 and the >2^31-element tensors.
-  [fwd]="tests/test_gpu_attention.py tests/test_gpu_hadamard.py tests/test_gpu_exp2_fma.py tests/test_gpu_large.py"
+  # The bf16/fp16 forward, Hadamard, exp2.
+  [fwd]="tests/test_gpu_attention.py tests/test_gpu_hadamard.py tests/test_gpu_exp2_fma.py"
+  # Tensors past 2^31 elements through every kernel (one process: each test holds ~60 GB).
+  [large]="tests/test_gpu_large.py tests/test_gpu_int32_limits.py"
   # The backward kernel.
   [bwd]="tests/test_gpu_backward.py"
   # What users compose the kernels with (transformations, sharding, ring), the Flax layers.
@@ -33,7 +38,7 @@ declare -A CHUNKS=(
   # and tool checks.
   [cpu_files]="tests/test_api.py tests/test_flax.py tests/test_sharding.py tests/test_ring.py tests/test_kernel_targets.py tests/test_sass.py tests/test_fwd_timeline_tool.py tests/test_rotate_quantize_tool.py tests/test_cuda_layouts.py"
 )
-ORDER=(fwd bwd compose fp8 fp8_api)
+ORDER=(fwd bwd compose fp8 fp8_api large)
 
 requested=("$@")
 [[ ${#requested[@]} -eq 0 ]] && requested=("${ORDER[@]}")
@@ -51,6 +56,13 @@ for arg in "${requested[@]}"; do
 done
 [[ ${#files[@]} -gt 0 ]] && runs+=("files|${files[*]}")
 
+JOBS="${JOBS:-$(( $(nproc) / 2 < 12 ? $(nproc) / 2 : 12 ))}"
+parallel=()
+if (( JOBS > 1 )) && python3 -c "import xdist" 2>/dev/null; then
+  parallel=(-n "$JOBS")
+  export XLA_PYTHON_CLIENT_PREALLOCATE=false   # the workers share the GPU's memory
+fi
+
 reports=()
 timed_out=()
 t0=$(date +%s)
@@ -59,8 +71,11 @@ for run in "${runs[@]}"; do
   read -r -a chunk_files <<< "${run#*|}"
   rm -f "$OUT/$name.xml"
   # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words on purpose
+  workers=("${parallel[@]}")
+  [[ "$name" == large ]] && workers=()
   timeout "$CHUNK_TIMEOUT" pytest -q -rfEs -p no:cacheprovider -o junit_family=xunit1 \
-    --junitxml="$OUT/$name.xml" ${PYTEST_ARGS:-} "${chunk_files[@]}" > "$OUT/$name.log" 2>&1
+    --junitxml="$OUT/$name.xml" "${workers[@]}" ${PYTEST_ARGS:-} "${chunk_files[@]}" \
+    > "$OUT/$name.log" 2>&1
   rc=$?
   echo "== $name rc=$rc $(( $(date +%s) - t0 ))s: $(tail -1 "$OUT/$name.log")"
   if [[ -f "$OUT/$name.xml" ]]; then
