@@ -16,6 +16,8 @@ import pytest
 
 import jax_fa3
 from kernel_build import skip_unless_compiled
+from kernel_targets import (FLASH_BWD, FLASH_FWD, FLASH_FWD_FP8, HADAMARD, ROTATE_QUANTIZE_FP8,
+                            run_on_kernels)
 
 pytestmark = pytest.mark.gpu
 
@@ -31,10 +33,6 @@ def _qkv(shape):
   return _normal(0, shape), _normal(1, shape), _normal(2, shape)
 
 
-def _assert_calls(fn, target, *args):
-  assert target in jax.jit(fn).lower(*args).as_text(), f"{target} not in the compiled program"
-
-
 def _equal(got, want):
   np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
                                 np.asarray(want.astype(jnp.float32)))
@@ -48,9 +46,8 @@ def test_forward_past_2_31_elements_in_the_batch():
   q, k, v = _qkv(_BATCHED)
   skip_unless_compiled(q)
   fn = lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=True, return_lse=True)
-  _assert_calls(fn, "jax_fa3_flash_fwd", q, k, v)
-  out, lse = jax.jit(fn)(q, k, v)
-  tail_out, tail_lse = jax.jit(fn)(q[-2:], k[-2:], v[-2:])
+  out, lse = run_on_kernels(fn, q, k, v, expected=FLASH_FWD)
+  tail_out, tail_lse = run_on_kernels(fn, q[-2:], k[-2:], v[-2:], expected=FLASH_FWD)
   _equal(out[-2:], tail_out)
   _equal(lse[-2:], tail_lse)
 
@@ -60,10 +57,10 @@ def test_forward_past_2_31_elements_in_one_sequence():
   q, k, v = _qkv((1, s, 8, 128))
   skip_unless_compiled(q)
   fn = lambda q, k, v: jax_fa3.flash_attention(q, k, v, window_size=(w, 0), return_lse=True)
-  _assert_calls(fn, "jax_fa3_flash_fwd", q, k, v)
-  out, lse = jax.jit(fn)(q, k, v)
+  out, lse = run_on_kernels(fn, q, k, v, expected=FLASH_FWD)
   # The last n rows see keys [i - w, i]: the same keys as in this slice, bottom-right aligned.
-  tail_out, tail_lse = jax.jit(fn)(q[:, -n:], k[:, -(n + w):], v[:, -(n + w):])
+  tail_out, tail_lse = run_on_kernels(fn, q[:, -n:], k[:, -(n + w):], v[:, -(n + w):],
+                                      expected=FLASH_FWD)
   np.testing.assert_allclose(np.asarray(out[:, -n:], np.float32), np.asarray(tail_out, np.float32),
                              atol=2e-3, rtol=0)
   np.testing.assert_allclose(np.asarray(lse[:, :, -n:]), np.asarray(tail_lse), atol=1e-4, rtol=0)
@@ -80,9 +77,8 @@ def test_backward_past_2_31_elements():
                                                                deterministic=True), q, k, v)
     return vjp(do)
 
-  _assert_calls(grads, "jax_fa3_flash_bwd", q, k, v, do)
-  dq, dk, dv = jax.jit(grads)(q, k, v, do)
-  tail = jax.jit(grads)(q[-2:], k[-2:], v[-2:], do[-2:])
+  dq, dk, dv = run_on_kernels(grads, q, k, v, do, expected=(FLASH_FWD, FLASH_BWD))
+  tail = run_on_kernels(grads, q[-2:], k[-2:], v[-2:], do[-2:], expected=(FLASH_FWD, FLASH_BWD))
   for got, want in zip((dq, dk, dv), tail):
     _equal(got[-2:], want)
 
@@ -96,10 +92,9 @@ def test_fp8_forward_past_2_31_elements(monkeypatch):
   key = jax.random.PRNGKey(7)
   fn = lambda q, k, v: jax_fa3.flash_attention_fp8(q, k, v, causal=True, key=key,
                                                    return_lse=True)
-  hlo = jax.jit(fn).lower(q, k, v).as_text()
-  assert "jax_fa3_flash_fwd_fp8" in hlo and "jax_fa3_rotate_quantize_fp8" in hlo
-  out, lse = jax.jit(fn)(q, k, v)
-  tail_out, tail_lse = jax.jit(fn)(q[-2:], k[-2:], v[-2:])
+  fp8_kernels = (FLASH_FWD_FP8, ROTATE_QUANTIZE_FP8)
+  out, lse = run_on_kernels(fn, q, k, v, expected=fp8_kernels)
+  tail_out, tail_lse = run_on_kernels(fn, q[-2:], k[-2:], v[-2:], expected=fp8_kernels)
   _equal(out[-2:], tail_out)
   _equal(lse[-2:], tail_lse)
 
@@ -107,9 +102,8 @@ def test_fp8_forward_past_2_31_elements(monkeypatch):
 def test_quantize_fp8_past_2_31_elements():
   x = _normal(4, _BATCHED)
   fn = lambda x: jax_fa3.quantize_fp8(x)
-  _assert_calls(fn, "jax_fa3_rotate_quantize_fp8", x)
-  values, scales = jax.jit(fn)(x)
-  tail_values, tail_scales = jax.jit(fn)(x[-2:])
+  values, scales = run_on_kernels(fn, x, expected=ROTATE_QUANTIZE_FP8)
+  tail_values, tail_scales = run_on_kernels(fn, x[-2:], expected=ROTATE_QUANTIZE_FP8)
   _equal(values[-2:], tail_values)
   _equal(scales[-2:], tail_scales)
 
@@ -117,9 +111,8 @@ def test_quantize_fp8_past_2_31_elements():
 def test_hadamard_past_2_31_elements():
   x = _normal(5, (17_000_000, 128))   # 2.18e9 elements
   fn = lambda x: jax_fa3.hadamard_transform(x)
-  _assert_calls(fn, "jax_fa3_hadamard", x)
-  y = jax.jit(fn)(x)
-  _equal(y[-1000:], jax.jit(fn)(x[-1000:]))
+  y = run_on_kernels(fn, x, expected=HADAMARD)
+  _equal(y[-1000:], run_on_kernels(fn, x[-1000:], expected=HADAMARD))
 
 
 @pytest.mark.parametrize("window", [(2**31 - 1, 0), (2**31 - 1, 2**31 - 1), (5, 2**31 - 1)])
@@ -133,9 +126,8 @@ def test_backward_window_past_every_key_is_unbounded(window):
   def grads(window):
     loss = lambda q, k, v: jnp.sum(jax_fa3.flash_attention(
         q, k, v, window_size=window, deterministic=True).astype(jnp.float32) ** 2)
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    return run_on_kernels(jax.grad(loss, argnums=(0, 1, 2)), q, k, v,
+                          expected=(FLASH_FWD, FLASH_BWD))
 
-  _assert_calls(lambda q, k, v: jax.grad(lambda q: jnp.sum(jax_fa3.flash_attention(
-      q, k, v, window_size=window).astype(jnp.float32)))(q), "jax_fa3_flash_bwd", q, k, v)
   for got, want in zip(grads(window), grads(unbounded)):
     _equal(got, want)
