@@ -355,7 +355,7 @@ def test_fp8_lazy_max_follows_the_emulation(d, monkeypatch):
   on_cpu = [jax.device_put(x, _cpu()) for x in quantized]
   with jax.default_device(_cpu()):
     lazy = np.asarray(_fp8_emulation.emulated_forward(*on_cpu, cfg)[0], np.float64)
-    monkeypatch.setattr(fp8, "LAZY_MAX_MARGIN_LOG2", 0.0)  # not jitted: traced afresh
+    monkeypatch.setattr(_fp8_emulation, "LAZY_MAX_MARGIN_LOG2", 0.0)  # not jitted: traced afresh
     exact = np.asarray(_fp8_emulation.emulated_forward(*on_cpu, cfg)[0], np.float64)
   to_lazy, to_exact = _rms(out - lazy), _rms(out - exact)
   assert to_lazy <= 1e-2 * _rms(lazy), (to_lazy, _rms(lazy))
