@@ -139,3 +139,28 @@ def flash_fwd_fp8_workspace_bytes(b: int, s_q: int, s_k: int, h: int, h_k: int, 
   if module is None:
     raise RuntimeError(f"jax_fa3 kernels unavailable: {reason}")
   return int(module.flash_fwd_fp8_workspace_bytes(b, s_q, s_k, h, h_k, d, masked, v_transposed))
+
+
+def _varying_axes(x) -> tuple:
+  """The manual mesh axes (inside `shard_map`) that x varies over; () elsewhere."""
+  aval = jax.typeof(x) if hasattr(jax, "typeof") else jax.core.get_aval(x)
+  manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10
+  varying = manual.varying if manual is not None else getattr(aval, "vma", ())
+  return tuple(sorted(varying))
+
+
+def call(target: str, result_types, *args, **attrs):
+  """jax.ffi.ffi_call of one of our targets, its results varying over the manual mesh axes its
+  first argument varies over. Inside `shard_map` an ffi_call's results vary over none, while the
+  pure-JAX branch of the same `lax.platform_dependent` varies like its inputs: without the cast
+  the two branches' types differ and tracing fails."""
+  results = jax.ffi.ffi_call(target, result_types)(*args, **attrs)
+  axes = _varying_axes(args[0])
+  if not axes:
+    return results
+  if hasattr(jax.lax, "pcast"):
+    cast = lambda x: jax.lax.pcast(x, axes, to="varying")
+  else:
+    cast = lambda x: jax.lax.pvary(x, axes)
+  return jax.tree.map(cast, results)
+

@@ -45,8 +45,9 @@ def kernel_forward(cfg: Fp8Config, v_transposed: bool = False):
                     # the call's temporaries (the FFI ScratchAllocator gave nothing; H200,
                     # 2026-11-30)
                     jax.ShapeDtypeStruct((workspace,), jnp.uint8))
-    out, lse, _ = jax.ffi.ffi_call(KERNEL_TARGET, result_types)(
-        q8, k8, v8, q_scale, k_scale, v_scale, v_mean, softmax_scale=np.float32(att.softmax_scale),
+    out, lse, _ = _ffi.call(
+        KERNEL_TARGET, result_types, q8, k8, v8, q_scale, k_scale, v_scale, v_mean,
+        softmax_scale=np.float32(att.softmax_scale),
         window_left=np.int32(att.window_left), window_right=np.int32(att.window_right),
         block_size=np.int32(cfg.block_size), v_transposed=np.bool_(v_transposed))
     return out, lse

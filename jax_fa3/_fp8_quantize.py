@@ -173,8 +173,9 @@ def fused_rotate_quantize(rotate: bool, block_size: int | None, keys_transposed:
                     jax.ShapeDtypeStruct((b, h, d) if centre else (0,), jnp.float32),
                     jax.ShapeDtypeStruct((b * h * chunks * 3 * d,) if centre else (0,),
                                          jnp.float32))
-    values, scales, mean_out, _ = jax.ffi.ffi_call(ROTATE_QUANTIZE_TARGET, result_types)(
-        x, signs32, mean, rotate=np.bool_(rotate), block_size=np.int32(block),
+    values, scales, mean_out, _ = _ffi.call(
+        ROTATE_QUANTIZE_TARGET, result_types, x, signs32, mean, rotate=np.bool_(rotate),
+        block_size=np.int32(block),
         keys_transposed=np.bool_(keys_transposed), centre=np.bool_(centre))
     return values, scales, mean_out
 

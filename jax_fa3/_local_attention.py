@@ -81,7 +81,7 @@ def _forward_kernel(cfg: AttentionConfig):
     b, s_q, h, _ = q.shape
     result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                     jax.ShapeDtypeStruct((b, h, s_q), jnp.float32))
-    return jax.ffi.ffi_call("jax_fa3_flash_fwd", result_types)(q, k, v, **_window_attrs(cfg))
+    return _ffi.call("jax_fa3_flash_fwd", result_types, q, k, v, **_window_attrs(cfg))
 
   return fold_vmap_into_batch(call)
 
@@ -92,8 +92,8 @@ def _backward_kernel(cfg: AttentionConfig):
     workspace = _ffi.flash_bwd_workspace_bytes(b, h, s_q, d, cfg.deterministic)
     result_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)) + (
         jax.ShapeDtypeStruct((workspace,), jnp.uint8),)
-    dq, dk, dv, _ = jax.ffi.ffi_call("jax_fa3_flash_bwd", result_types)(
-        q, k, v, out, dout, lse, deterministic=np.bool_(cfg.deterministic), **_window_attrs(cfg))
+    dq, dk, dv, _ = _ffi.call("jax_fa3_flash_bwd", result_types, q, k, v, out, dout, lse,
+                              deterministic=np.bool_(cfg.deterministic), **_window_attrs(cfg))
     return dq, dk, dv
 
   batched = fold_vmap_into_batch(call)

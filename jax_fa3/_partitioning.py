@@ -273,7 +273,7 @@ def explicit_mesh(arrays):
   avals = [typeof(x) for x in arrays]
   sharding = getattr(avals[0], "sharding", None)
   mesh = getattr(sharding, "mesh", None)
-  if mesh is None or not getattr(mesh, "axis_names", ()) or math.prod(mesh.axis_sizes) == 1:
+  if mesh is None or not getattr(mesh, "axis_names", ()):
     return None
   if not any(t == axis_type for t in mesh.axis_types):
     return None

@@ -48,8 +48,8 @@ def _hadamard_kernel(apply_signs: bool):
 
   @jax.custom_batching.custom_vmap
   def call(x, signs32):
-    return jax.ffi.ffi_call("jax_fa3_hadamard", jax.ShapeDtypeStruct(x.shape, x.dtype))(
-        x, signs32, apply_signs=np.bool_(apply_signs))
+    return _ffi.call("jax_fa3_hadamard", jax.ShapeDtypeStruct(x.shape, x.dtype), x, signs32,
+                     apply_signs=np.bool_(apply_signs))
 
   @call.def_vmap
   def _rule(axis_size, in_batched, x, signs32):

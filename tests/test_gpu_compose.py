@@ -131,9 +131,7 @@ def _one_device_mesh(kind):
 def test_sharded_jit_on_one_device(kind, dtype):
   # Auto: jax_fa3._partitioning's custom_partitioning rule; Explicit: its shard_map plan.
   mesh = _one_device_mesh(kind)
-  # GQA on an Explicit mesh of size one fails in the library (tests/test_sharding.py,
-  # test_gqa_on_an_explicit_mesh_of_size_one): that mesh runs without GQA here.
-  args = _inputs(6, dtype, h_k=4 if kind == "explicit" else 2)
+  args = _inputs(6, dtype)
   spec = P("data", None, "model")
   placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in args]
   results = run_on_kernels(_out_and_grads(**OPTIONS), *placed, expected=FWD_BWD)

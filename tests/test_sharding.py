@@ -107,10 +107,9 @@ def test_mqa_head_sharding_keeps_queries_split():
   assert counts["all-gather"] == 0 and counts["all-to-all"] == 0, counts  # dk/dv: all-reduce
 
 
-@pytest.mark.xfail(strict=True,
-                   reason="known bug: on an Explicit mesh whose axes all have size 1 the op runs "
-                          "unpartitioned and the reference path's GQA reshape has no out_sharding")
 def test_gqa_on_an_explicit_mesh_of_size_one():
+  # An Explicit mesh of size one runs the shard_map plan like any other: unpartitioned, the
+  # reference path's einsums and reshapes met operands typed with the mesh's axes and failed.
   mesh = make_mesh((1, 1), ("data", "model"), "explicit")
   args = qkv()
   fn = functools.partial(fwd_bwd, causal=True)
@@ -139,6 +138,24 @@ def test_users_checked_shard_map_over_flash_attention():
   mapped = jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4)
   got, _ = run_sharded(mapped, mesh, [spec] * 4, *args)
   assert_close(got, on_one_device(fn, *args))
+
+
+@pytest.mark.skipif(not hasattr(jax, "shard_map"), reason="jax.shard_map (with check_vma) needs JAX >= 0.7")
+def test_kernel_branch_types_match_under_checked_shard_map(monkeypatch):
+  """The kernel branch of lax.platform_dependent is traced on every platform: inside a user's
+  checked shard_map its results must vary over the same mesh axes as the pure-JAX branch's, or
+  tracing fails (as it did on the H200). Traced here with the kernel branch switched on; only
+  the CPU branch is lowered, so nothing needs the extension."""
+  from jax_fa3 import _ffi, _local_attention  # noqa: PLC0415
+  monkeypatch.setattr(_local_attention, "_use_kernel", lambda target, q: True)
+  monkeypatch.setattr(_ffi, "flash_bwd_workspace_bytes", lambda *args: 16)
+  mesh = make_mesh((4, 2), ("data", "model"), "auto")
+  args = [x.astype(jnp.bfloat16) for x in qkv()]
+  spec = P("data", None, "model")
+  mapped = jax.shard_map(functools.partial(fwd_bwd, causal=True), mesh=mesh,
+                         in_specs=(spec,) * 4, out_specs=(spec,) * 4)
+  jaxpr = str(jax.make_jaxpr(mapped)(*args))
+  assert "jax_fa3_flash_fwd" in jaxpr and "jax_fa3_flash_bwd" in jaxpr
 
 
 def test_pmap_over_flash_attention():
