@@ -151,16 +151,20 @@ def _varying_axes(x) -> tuple:
 
 def call(target: str, result_types, *args, **attrs):
   """jax.ffi.ffi_call of one of our targets, its results varying over the manual mesh axes its
-  first argument varies over. Inside `shard_map` an ffi_call's results vary over none, while the
-  pure-JAX branch of the same `lax.platform_dependent` varies like its inputs: without the cast
-  the two branches' types differ and tracing fails."""
+  first argument varies over. Inside `shard_map` an ffi_call's results vary over none (JAX >=
+  0.10; earlier versions carry the inputs' axes over), while the pure-JAX branch of the same
+  `lax.platform_dependent` varies like its inputs: without the cast the two branches' types
+  differ and tracing fails."""
   results = jax.ffi.ffi_call(target, result_types)(*args, **attrs)
   axes = _varying_axes(args[0])
-  if not axes:
-    return results
-  if hasattr(jax.lax, "pcast"):
-    cast = lambda x: jax.lax.pcast(x, axes, to="varying")
-  else:
-    cast = lambda x: jax.lax.pvary(x, axes)
-  return jax.tree.map(cast, results)
+
+  def cast(x):
+    missing = tuple(a for a in axes if a not in _varying_axes(x))
+    if not missing:
+      return x
+    if hasattr(jax.lax, "pcast"):
+      return jax.lax.pcast(x, missing, to="varying")
+    return jax.lax.pvary(x, missing)
+
+  return jax.tree.map(cast, results) if axes else results
 
