@@ -86,6 +86,18 @@ struct ForwardTraitsBase {
   static constexpr uint32_t kTmaBytesKV = kBlockN * kHeadDim * sizeof(Element);
 };
 
+// The forward's mbarriers (the protocol: producer.h), declared inside each SharedStorage after its
+// buffers. A macro rather than a nested struct: the members keep their names and offsets, and the
+// barrier addresses stay immediates in the SASS (a nested struct cost the bf16 d128 kernel three
+// uniform-datapath instructions, cuobjdump, 2026-12-04).
+#define JAX_FA3_FWD_PIPELINE_BARRIERS(kStages) \
+  uint64_t q_full;                             \
+  uint64_t q_empty;                            \
+  uint64_t k_full[kStages];                    \
+  uint64_t k_empty[kStages];                   \
+  uint64_t v_full[kStages];                    \
+  uint64_t v_empty[kStages];
+
 template <int kHeadDim_, typename Element_>
 struct KernelTraits
     : ForwardTraitsBase<kHeadDim_, Element_, 128, BlockN<kHeadDim_>::value> {
@@ -145,13 +157,7 @@ struct KernelTraits
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> k;
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> v;
     alignas(1024) cute::array_aligned<Element, kOBufferElems, 1024> o;  // O (kEarlyQRelease)
-    // mbarriers (the protocol: producer.h)
-    uint64_t q_full;
-    uint64_t q_empty;
-    uint64_t k_full[kStages];
-    uint64_t k_empty[kStages];
-    uint64_t v_full[kStages];
-    uint64_t v_empty[kStages];
+    JAX_FA3_FWD_PIPELINE_BARRIERS(kStages)
   };
   // Where the epilogue stages O: its own buffer, or Q's (Q is dead once the tile's last S = QK^T
   // GEMM completed).

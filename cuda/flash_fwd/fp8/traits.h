@@ -120,12 +120,7 @@ struct Fp8KernelTraits
     // The row-sum GEMM's 0/1 B operand (fp8/row_sum.h), written once by kernel.h
     alignas(1024) cute::array_aligned<Element, cosize_v<SmemLayoutRowSumSelector>, 1024>
         row_sum_selector;
-    uint64_t q_full;
-    uint64_t q_empty;
-    uint64_t k_full[kStages];
-    uint64_t k_empty[kStages];
-    uint64_t v_full[kStages];
-    uint64_t v_empty[kStages];
+    JAX_FA3_FWD_PIPELINE_BARRIERS(kStages)
     int tail_ticket;  // the tail split's ticket, broadcast to the consumers (fp8/tail_split.h)
     // The tile's v_mean (fp8/v_mean.h), loaded by cp.async at tile start so that the epilogue
     // reads shared memory instead of waiting on L2. One copy: the consumer warpgroups share the
