@@ -150,13 +150,13 @@ def _varying_axes(x) -> tuple:
 
 
 def call(target: str, result_types, *args, **attrs):
-  """jax.ffi.ffi_call of one of our targets, its results varying over the manual mesh axes its
-  first argument varies over. Inside `shard_map` an ffi_call's results vary over none (JAX >=
+  """jax.ffi.ffi_call of one of our targets, its results varying over every manual mesh axis
+  any argument varies over. Inside `shard_map` an ffi_call's results vary over none (JAX >=
   0.10; earlier versions carry the inputs' axes over), while the pure-JAX branch of the same
   `lax.platform_dependent` varies like its inputs: without the cast the two branches' types
   differ and tracing fails."""
   results = jax.ffi.ffi_call(target, result_types)(*args, **attrs)
-  axes = _varying_axes(args[0])
+  axes = tuple(sorted(set().union(*(_varying_axes(a) for a in args))))
 
   def cast(x):
     missing = tuple(a for a in axes if a not in _varying_axes(x))
@@ -167,4 +167,3 @@ def call(target: str, result_types, *args, **attrs):
     return jax.lax.pvary(x, missing)
 
   return jax.tree.map(cast, results) if axes else results
-

@@ -141,7 +141,8 @@ def test_users_checked_shard_map_over_flash_attention():
 
 
 @pytest.mark.skipif(not hasattr(jax, "shard_map"), reason="jax.shard_map (with check_vma) needs JAX >= 0.7")
-def test_kernel_branch_types_match_under_checked_shard_map(monkeypatch):
+@pytest.mark.parametrize("keys_split_alone", [False, True])
+def test_kernel_branch_types_match_under_checked_shard_map(monkeypatch, keys_split_alone):
   """The kernel branch of lax.platform_dependent is traced on every platform: inside a user's
   checked shard_map its results must vary over the same mesh axes as the pure-JAX branch's, or
   tracing fails (as it did on the H200). Traced here with the kernel branch switched on; only
@@ -151,6 +152,14 @@ def test_kernel_branch_types_match_under_checked_shard_map(monkeypatch):
   monkeypatch.setattr(_ffi, "flash_bwd_workspace_bytes", lambda *args: 16)
   mesh = make_mesh((4, 2), ("data", "model"), "auto")
   args = [x.astype(jnp.bfloat16) for x in qkv()]
+  if keys_split_alone:
+    # k and v vary over "model" and q does not: the output varies over both axes all the same.
+    # (Forward only: a cotangent must vary like the output, which q's spec cannot express.)
+    split = P("data", "model")
+    mapped = jax.shard_map(lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=True),
+                           mesh=mesh, in_specs=(P("data"), split, split), out_specs=split)
+    assert "jax_fa3_flash_fwd" in str(jax.make_jaxpr(mapped)(*args[:3]))
+    return
   spec = P("data", None, "model")
   mapped = jax.shard_map(functools.partial(fwd_bwd, causal=True), mesh=mesh,
                          in_specs=(spec,) * 4, out_specs=(spec,) * 4)
