@@ -2,7 +2,7 @@
 float32 scale per block of tokens, v centred by its mean over the keys and quantized with one
 scale per head, optionally straight into the fp8 kernel's V layout.
 
-Each pass is one fused CUDA kernel on a Hopper GPU (`jax_fa3rotate_quantize_fp8`: one read of
+Each pass is one fused CUDA kernel on a Hopper GPU (`jax_fa3_rotate_quantize_fp8`: one read of
 the bf16/fp16/fp32 input, the Hadamard butterflies in registers, one e4m3 write) and an XLA
 computation elsewhere: a float32 copy, `hadamard_transform`, then the block quantization. The two
 agree bit for bit on scales and, without rotation, on values (centred or not); the fused
