@@ -1,5 +1,5 @@
 // XLA FFI handler for the fp8 (e4m3) forward kernel (target "jax_fa3_flash_fwd_fp8").
-// Contract: jax_fa3/fp8.py (module docstring, _kernel_forward). Validates every buffer and
+// Contract: docs/CONTRACTS.md; caller: jax_fa3/_fp8_forward.py (kernel_forward). Validates every buffer and
 // attribute (errors name the argument), then runs the V transpose pre-pass (or, when V arrives
 // transposed, only the k scale expansion) and the kernel.
 #include <cstdint>

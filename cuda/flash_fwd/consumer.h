@@ -108,8 +108,8 @@ struct NoPingPong {
   __device__ __forceinline__ void finish() const {}
 };
 
-// The fp8 kernel (Traits::kFp8) differs in a few `if constexpr` places only, so the 16-bit code
-// path is exactly what it was: S is descaled per column (k_scale) and per row (q_scale, folded
+// The fp8 kernel (Traits::kFp8) differs in a few `if constexpr` places only, which the 16-bit
+// instantiations do not compile: S is descaled per column (k_scale) and per row (q_scale, folded
 // into the exp2 FFMA), P is 2^6-shifted and packed into e4m3 in place (fp8/softmax.h,
 // fp8/layout.h), and O is divided by 2^6 * rowsum and multiplied by v_scale.
 template <class Traits>

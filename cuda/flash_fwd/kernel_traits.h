@@ -44,10 +44,8 @@ constexpr auto smem_atom_k_major() {
 
 // What every forward kernel shares (16-bit: KernelTraits below; fp8: Fp8KernelTraits,
 // fp8/traits.h): the tile, the threads (one producer warpgroup and one consumer warpgroup per 64
-// rows), S = Q K^T, the shared-memory layouts of Q and K and the TMA byte counts. Each
-// SharedStorage states its own mbarrier block (the protocol: producer.h): as a nested struct
-// shared here it changed ptxas's barrier addressing in the 16-bit kernels (3 more uniform
-// instructions at d128; CUDA 13.0, 2026-12-04).
+// rows), S = Q K^T, the shared-memory layouts of Q and K and the TMA byte counts. The mbarriers
+// are declared in each SharedStorage by JAX_FA3_FWD_PIPELINE_BARRIERS (below).
 template <int kHeadDim_, typename Element_, int kBlockM_, int kBlockN_>
 struct ForwardTraitsBase {
   using Element = Element_;
@@ -114,8 +112,8 @@ struct KernelTraits
   // against 632-635 without it (H200, 2026-12-01): always rescale here.
   static constexpr bool kSkipUnchangedRescale = false;
   // Every kExp2FmaPeriod-th softmax exponential on the FMA pipe instead of MUFU (exp2_fma.h):
-  // none. Kernel alone, 8k non-causal (H200, 2026-12-01, with an exp2_fma one FMUL cheaper than
-  // today's): d64 period 4 / 3 / 2 422-425 / 429-431 / 407-410 TFLOP/s vs 462-464 without; d128
+  // none. Kernel alone, 8k non-causal (H200, 2026-12-01, with an exp2_fma variant one FMUL
+  // cheaper): d64 period 4 / 3 / 2 422-425 / 429-431 / 407-410 TFLOP/s vs 462-464 without; d128
   // period 4 581-586 vs 607-612.
   static constexpr int kExp2FmaPeriod = 0;
   // PV issued k-step by k-step under the exp2 pass (fp8/traits.h): d256 606-610 TFLOP/s vs

@@ -18,7 +18,7 @@ namespace {
 // stages h = 32, 64, 128 cross lanes: 2 shuffles per element at d=128 instead of 5 with one
 // element per lane, and loads / stores are 16-byte vectors.
 constexpr int kPerLane = 32;
-constexpr float kInvE4m3Max = 1.f / 448.f;  // float32(1/448), as jax_fa3/fp8.py multiplies
+constexpr float kInvE4m3Max = 1.f / 448.f;  // float32(1/448), as jax_fa3/_fp8_quantize.py multiplies
 
 // Amaxes are taken on bits: for magnitudes (sign bit clear) the unsigned order of the bits is
 // the float order, and NaN's bits lie above +inf's, so an integer max propagates NaN like jnp.max
@@ -219,7 +219,7 @@ __device__ __forceinline__ float warp_amax(float amax) {
 }
 
 // x * (1 / scale) with the reciprocal correctly rounded (__frcp_rn is exact IEEE even under
-// --use_fast_math): the quantization jax_fa3/fp8.py defines. A direct x / scale would round
+// --use_fast_math): the quantization jax_fa3/_fp8_quantize.py defines. A direct x / scale would round
 // differently on ~1e-4 of the elements (near-ties at e4m3 precision). 32 bytes per lane.
 __device__ __forceinline__ void store_quantized(const float (&v)[kPerLane], float inv_scale,
                                                 uint8_t* dst) {
@@ -478,7 +478,7 @@ rotate_quantize_chunk_stats_kernel(RotateQuantizeParams p, int64_t chunks) {
 }
 
 // Step 2, one CTA of d threads per (batch, head): thread c folds column c's chunk stats in chunk
-// order into the mean (sum / s, as jax_fa3.fp8._v_mean) and the column's largest |x - mean|,
+// order into the mean (sum / s, as jax_fa3._fp8_quantize.mean_over_keys) and the column's largest |x - mean|,
 // max(max - mean, mean - min); the CTA's largest is the head's amax. A NaN anywhere in the head
 // makes the sum, the mean and so the amax NaN (scale 1.0), as on the XLA path (fmaxf, fminf drop
 // NaN, the sum does not).

@@ -1,6 +1,6 @@
 // Incoherent processing and block quantization in one pass: x (b, s, h, d) -> optional rotation
 // H·diag(signs) over d (the transform of hadamard.h) -> e4m3 values with one float32 scale per
-// (batch, head, block of `block_size` tokens). The numerics are those of jax_fa3/fp8.py
+// (batch, head, block of `block_size` tokens). The numerics are those of jax_fa3/_fp8_quantize.py
 // (`_quantize`): scale = amax · float32(1/448) (1.0 when amax is not > 0, at least float32's
 // smallest normal), values = e4m3(x · (1 / scale)) (reciprocal correctly rounded), round to
 // nearest even, saturating.
@@ -30,7 +30,7 @@ struct RotateQuantizeParams {
   // head (block_size >= s): v's quantization.
   bool keys_transposed;
   // (b, h, d) float32 subtracted from every token of its (batch, head) after the rotation, before
-  // the amax and the quantization (v's centring, jax_fa3/fp8.py); nullptr: none. Runs the chunked
+  // the amax and the quantization (v's centring, jax_fa3/_fp8_quantize.py); nullptr: none. Runs the chunked
   // passes (rotate_quantize_chunked).
   const float* mean = nullptr;
   // The centring done by the pass itself (needs one block per head, block_size >= s, and no

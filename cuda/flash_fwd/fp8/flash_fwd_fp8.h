@@ -1,5 +1,5 @@
 // Host entry point of the fp8 (e4m3) forward kernel. Plain C++ (no CuTe): the FFI handler
-// includes it. Numerics: jax_fa3/fp8.py (module docstring); design: cuda/flash_fwd/README.md.
+// includes it. Numerics: jax_fa3/_fp8_emulation.py (module docstring); design: cuda/flash_fwd/README.md.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -23,7 +23,7 @@ struct FlashFwdFp8Params : FlashFwdParams {
   const float* k_scale;
   const float* v_scale;
   const float* v_mean;
-  void* workspace;  // flash_fwd_fp8_workspace_bytes(b, h_k, s_k, d, v_transposed), 16-byte aligned
+  void* workspace;  // flash_fwd_fp8_workspace_bytes(...) bytes, 16-byte aligned
   bool v_transposed;
   int block_size;
   // Split the last round's tiles over two CTAs each where the workspace has room

@@ -8,7 +8,7 @@
 // tiles of 192 rows = 10.4 rounds, the kernel waits 11 tile times).
 //
 // Numerics: the fp8 kernel quantizes P as e4m3(2^6 · exp2(s - running max)), so P's rounding
-// depends on the running max a block is exponentiated against (jax_fa3/fp8.py, step 4). The high
+// depends on the running max a block is exponentiated against (jax_fa3/_fp8_emulation.py). The high
 // piece visits the top K/V blocks exactly as the whole tile would. The low piece first takes the
 // row maxima of the high piece's blocks (the S GEMM and row max only; no exponentials, no PV
 // GEMM, V not loaded), so its blocks are exponentiated against the same running max as in the

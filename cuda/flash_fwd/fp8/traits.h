@@ -16,8 +16,8 @@
 namespace jax_fa3::fwd {
 
 // kBlockN (kFp8BlockN, fp8/flash_fwd_fp8.h) for every fp8 head dim. Registers per consumer
-// thread (fp32 S kBlockN/2, e4m3 P kBlockN/8, fp32 O d/2) and smem (Q kBlockM*d + 2 stages of K and Vt kBlockN*d, all 1 byte, + O bf16
-// kBlockM*d*2):
+// thread (fp32 S kBlockN/2, e4m3 P kBlockN/8, fp32 O d/2) and smem (Q kBlockM*d + 2 stages of
+// K and Vt kBlockN*d, all 1 byte, + O bf16 kBlockM*d*2):
 //   d64 : 192x128  S 64 + P 16 + O  32 (plain)    12K + 2*2*8K  + 24K =  68 KB
 //   d128: 128x128  S 64 + P 16 + O  64 (overlap)  16K + 2*2*16K + 32K = 112 KB
 //         192x128  S 64 + P 16 + O  64 (plain)    24K + 2*2*16K + 48K = 136 KB
@@ -33,7 +33,7 @@ static_assert(kFp8BlockN == 128, "the table above");
 // fp8/flash_fwd_fp8.h (fp8_default_block_m, fp8_block_m). Measured on the H200 (kernel alone,
 // cuda/flash_fwd/tools/fwd_timeline.cu, benchmarks/RESULTS.md): d64 192x128 444 TFLOP/s vs
 // 128x128 380 at 8k (2026-12-01). d128 192x128 in the plain order with the pipelined PV
-// (kPipelinedPv; 12 bytes spilled in that build) vs 128x128 with the overlap (2026-12-01, two
+// (kPipelinedPv; it spills 12 bytes) vs 128x128 with the overlap (2026-12-01, two
 // runs): 814-830 vs 789-802 non-causal 8k, 717-735 vs 696-709 causal 8k, but 437-448 vs 466-475
 // causal 2k, hence both d128 kernels. Slower at d128 (same runs): 192x96 767, 192x128 with every
 // 8th exp2 on the FMA pipe 790-792, 192x128 with 3 K/V stages 816 (no gain); in the plain order

@@ -1,4 +1,4 @@
-// V centring of the fp8 forward (jax_fa3/fp8.py, step 5): V arrives quantized as e4m3(v - mean)
+// V centring of the fp8 forward (jax_fa3/_fp8_emulation.py): V arrives quantized as e4m3(v - mean)
 // and the epilogue adds the mean back, O = sum_j p_j (v_j - mean) + mean, exact for any mean since
 // a row's weights sum to one.
 //

@@ -77,7 +77,7 @@ std::vector<uint8_t> random_e4m3(size_t n, std::mt19937& rng) {
 // layout (b, s, h, d); scales (b, h, ceil(s / block)). The kernel's time depends on the data (H200,
 // 2026-12-02: +1.3% on these inputs against random e4m3 values with random scales).
 // centred_by (v): each (batch, head, dim)'s mean over the tokens, subtracted before quantizing
-// (jax_fa3/fp8.py, step 2), the kernel's v_mean.
+// (jax_fa3/_fp8_quantize.py, centre_v_kernel_layout), the kernel's v_mean.
 std::vector<uint8_t> quantized_normal(int b, int s, int h, int d, int block, std::mt19937& rng,
                                       std::vector<float>& scales, float mean = 0.f,
                                       std::vector<float>* centred_by = nullptr) {
