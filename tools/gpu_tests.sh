@@ -9,7 +9,8 @@
 #   CHUNK_TIMEOUT=500 PYTEST_ARGS="-k softmax_scale" tools/gpu_tests.sh fwd
 #
 # Writes $OUT (default ./gpu_out)/<chunk>.xml (JUnit) and <chunk>.log. A chunk killed by its
-# time limit (CHUNK_TIMEOUT seconds, default 520) has no report: its files are listed as TIMEOUT.
+# time limit (CHUNK_TIMEOUT seconds, default 520) has no report: its files are listed as TIMEOUT;
+# a chunk whose pytest died otherwise (a crash in a kernel, say) as CRASHED.
 # Tests that need two GPUs skip on one.
 # JOBS (default: cores / 2, at most 12) pytest-xdist workers share the GPU where pytest-xdist is
 # installed: most of a test's time is XLA compiling on the host. The `large` chunk (tensors past
@@ -65,14 +66,15 @@ fi
 
 reports=()
 timed_out=()
+crashed=()
 t0=$(date +%s)
 for run in "${runs[@]}"; do
   name="${run%%|*}"
   read -r -a chunk_files <<< "${run#*|}"
   rm -f "$OUT/$name.xml"
-  # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words on purpose
   workers=("${parallel[@]}")
   [[ "$name" == large ]] && workers=()
+  # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words on purpose
   timeout "$CHUNK_TIMEOUT" pytest -q -rfEs -p no:cacheprovider -o junit_family=xunit1 \
     --junitxml="$OUT/$name.xml" "${workers[@]}" ${PYTEST_ARGS:-} "${chunk_files[@]}" \
     > "$OUT/$name.log" 2>&1
@@ -80,11 +82,15 @@ for run in "${runs[@]}"; do
   echo "== $name rc=$rc $(( $(date +%s) - t0 ))s: $(tail -1 "$OUT/$name.log")"
   if [[ -f "$OUT/$name.xml" ]]; then
     reports+=("$OUT/$name.xml")
-  else
+  elif (( rc == 124 || rc == 137 )); then   # killed by timeout
     timed_out+=("${chunk_files[@]}")
+    tail -5 "$OUT/$name.log"
+  else                                      # no report without a timeout: pytest itself died
+    crashed+=("${chunk_files[@]}")
     tail -5 "$OUT/$name.log"
   fi
 done
 echo
-python3 tools/junit_table.py "${reports[@]}" --timed-out "${timed_out[@]}" | tee "$OUT/table.txt"
+python3 tools/junit_table.py "${reports[@]}" --timed-out "${timed_out[@]}" --crashed "${crashed[@]}" \
+  | tee "$OUT/table.txt"
 exit "${PIPESTATUS[0]}"

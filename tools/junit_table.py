@@ -1,10 +1,11 @@
 """Per-file passed / failed / errors / skipped / xfailed table of pytest JUnit XML reports.
 
-  python3 tools/junit_table.py OUT/*.xml [--timed-out FILE ...]
+  python3 tools/junit_table.py OUT/*.xml [--timed-out FILE ...] [--crashed FILE ...]
 
 Reads reports written with `-o junit_family=xunit1` (each testcase carries its `file`). Files
 named after --timed-out (a chunk killed by its time limit, so its report is missing) are listed
-as TIMEOUT. Exits 1 if anything failed, errored or timed out.
+as TIMEOUT, those after --crashed (pytest died without a report: a segfault, an abort, the OOM
+killer) as CRASHED. Exits 1 if anything failed, errored, timed out or crashed.
 """
 from __future__ import annotations
 
@@ -41,9 +42,10 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("reports", nargs="*")
   parser.add_argument("--timed-out", nargs="*", default=[])
+  parser.add_argument("--crashed", nargs="*", default=[])
   args = parser.parse_args(argv)
   table = tally(args.reports)
-  width = max([len(f) for f in list(table) + args.timed_out] + [len("file")])
+  width = max([len(f) for f in list(table) + args.timed_out + args.crashed] + [len("file")])
   print(f"{'file':<{width}}  " + "  ".join(f"{c:>7}" for c in COLUMNS))
   totals = collections.Counter()
   for name in sorted(table):
@@ -51,8 +53,10 @@ def main(argv=None) -> int:
     print(f"{name:<{width}}  " + "  ".join(f"{table[name][c]:>7}" for c in COLUMNS))
   for name in args.timed_out:
     print(f"{name:<{width}}  TIMEOUT (no report: the chunk hit its time limit)")
+  for name in args.crashed:
+    print(f"{name:<{width}}  CRASHED (no report: pytest died before writing one; see the log)")
   print(f"{'total':<{width}}  " + "  ".join(f"{totals[c]:>7}" for c in COLUMNS))
-  bad = totals["failed"] or totals["errors"] or args.timed_out
+  bad = totals["failed"] or totals["errors"] or args.timed_out or args.crashed
   return 1 if bad else 0
 
 
