@@ -38,8 +38,8 @@ cudaError_t run_flash_bwd(const FlashBwdParams& p, cudaStream_t stream) {
     }
   }
 
-  const int s_q_pad = static_cast<int>(round_up(p.s_q, kBlockM));
-  const int num_m_blocks = s_q_pad / kBlockM;
+  const int s_q_pad = static_cast<int>(round_up(p.s_q, Traits::kBlockM));
+  const int num_m_blocks = s_q_pad / Traits::kBlockM;
   const int num_n_blocks = (p.s_k + Traits::kBlockN - 1) / Traits::kBlockN;
   // Grid limits: main kernel (n blocks, h_k, b), postprocess (m blocks, h, b).
   if (p.h > 65535 || p.b > 65535) return cudaErrorInvalidValue;
@@ -105,7 +105,10 @@ cudaError_t run_flash_bwd(const FlashBwdParams& p, cudaStream_t stream) {
   kp.geom = BlockGeometry{p.s_q, p.s_k, Traits::kBlockM, Traits::kBlockN, p.window_left,
                           p.window_right};
 
-  auto kernel = flash_bwd_kernel<Traits>;
+  auto kernel = flash_bwd_kernel<Traits, false>;
+  if constexpr (Traits::kKeyMajor) {
+    if (kp.has_softcap) kernel = flash_bwd_kernel<Traits, true>;
+  }
   constexpr int smem = Traits::kSmemBytes;
   JAX_FA3_RETURN_IF_CUDA_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));

@@ -11,8 +11,10 @@
 
 namespace jax_fa3::flash_bwd {
 
-// Tile height over queries: every bucket uses kBlockM = 64 (one wgmma M per consumer warpgroup).
-constexpr int kBlockM = 64;
+// Tile height over queries (rows per Q block) of a head-dim bucket: 128 at d = 64, where the
+// S^T / dP^T GEMMs then have N = 128 (less shared-memory traffic per FLOP) and the accumulators
+// still fit; 64 elsewhere. The workspace layout below depends on it.
+constexpr int block_m_for_bucket(int bucket) { return bucket <= 64 ? 128 : 64; }
 
 struct FlashBwdParams {
   // Inputs, contiguous: q/out/dout (b, s_q, h, d); k/v (b, s_k, h_k, d); lse (b, h, s_q) fp32.
@@ -27,10 +29,10 @@ struct FlashBwdParams {
   void* dk;
   void* dv;
   // Workspace (see workspace_layout): all carved from one scratch allocation.
-  float* dq_accum;    // (b, h, ceil(s_q / kBlockM), kBlockM * bucket) fp32 chunks, zeroed per call
+  float* dq_accum;    // (b, h, ceil(s_q / block_m), block_m * bucket) fp32 chunks, zeroed per call
   float* lse_log2;    // (b, h, s_q_pad) fp32: lse * log2(e); +inf for padded rows
   float* dpsum;       // (b, h, s_q_pad) fp32: D = rowsum(dO * O); 0 for padded rows
-  int* semaphores;    // (b, h, ceil(s_q / kBlockM)) int32, zeroed; deterministic mode only
+  int* semaphores;    // (b, h, ceil(s_q / block_m)) int32, zeroed; deterministic mode only
   int b, s_q, s_k, h, h_k, d;
   float softmax_scale;
   float softcap;        // 0 = off
@@ -47,13 +49,14 @@ struct WorkspaceLayout {
   size_t dq_accum, lse_log2, dpsum, semaphores, total;
 };
 
-// dQ is accumulated per Q block in chunks of kBlockM rows x the head-dim bucket (padded rows and
+// dQ is accumulated per Q block in chunks of block_m rows x the head-dim bucket (padded rows and
 // columns included: the main kernel adds whole chunks; see BwdTraits::kDqWgFloats).
 inline WorkspaceLayout workspace_layout(int64_t b, int64_t h, int64_t s_q, int64_t d,
                                         bool deterministic) {
-  const int64_t s_q_pad = round_up(s_q, kBlockM);
   const int bucket = head_dim_bucket(static_cast<int>(d));
   const int64_t d_pad = bucket > 0 ? bucket : d;
+  const int64_t block_m = block_m_for_bucket(static_cast<int>(d_pad));
+  const int64_t s_q_pad = round_up(s_q, block_m);
   WorkspaceLayout w{};
   size_t off = 0;
   w.dq_accum = off;
@@ -63,7 +66,7 @@ inline WorkspaceLayout workspace_layout(int64_t b, int64_t h, int64_t s_q, int64
   w.dpsum = off;
   off += round_up(4 * b * h * s_q_pad, 256);
   w.semaphores = off;
-  if (deterministic) off += round_up(4 * b * h * (s_q_pad / kBlockM), 256);
+  if (deterministic) off += round_up(4 * b * h * (s_q_pad / block_m), 256);
   w.total = off;
   return w;
 }

@@ -30,15 +30,18 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads)
 
   typename Traits::MmadQ mma_dq;
   auto thr_dq = mma_dq.get_thread_slice(tid);
-  Tensor coord = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kDQ>>{}));
+  Tensor coord =
+      thr_dq.partition_C(make_identity_tensor(Shape<Int<Traits::kDqRows>, Int<kDQ>>{}));
+  const int row0 = m * kBlockM + Traits::dq_row0(wg);
+  const int col0 = Traits::dq_col0(wg);
 
   const float2* chunk = reinterpret_cast<const float2*>(
       dq_accum + q_block_index(batch, h, head, num_m_blocks, m) * int64_t(Traits::kDqChunkFloats) +
       wg * Traits::kDqWgFloats) + tid;
   CUTE_UNROLL
   for (int i = 0; i < size(coord); i += 2) {
-    const int row = m * kBlockM + get<0>(coord(i));
-    const int col = wg * kDQ + get<1>(coord(i));  // even; d is a multiple of 8
+    const int row = row0 + get<0>(coord(i));
+    const int col = col0 + get<1>(coord(i));  // even; d is a multiple of 8
     if (row < s_q && col < d) {
       const float2 v = chunk[(i / 2) * Traits::kDqPairStride];
       const Element lo(v.x * scale), hi(v.y * scale);

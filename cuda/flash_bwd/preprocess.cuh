@@ -1,5 +1,5 @@
 // Backward preprocess: per (batch, head, query row) D = rowsum(dO * O) in fp32 and LSE in the log2
-// domain, both padded to a multiple of kBlockM rows (D = 0, LSE = +inf in the padding, so padded
+// domain, both padded to a whole number of Q blocks (D = 0, LSE = +inf in the padding, so padded
 // rows get P = 0 and dS = 0 without a special case). One warp per row, 16-byte loads.
 #pragma once
 #include <cstdint>

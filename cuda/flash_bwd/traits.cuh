@@ -32,7 +32,15 @@ template <int kHeadDim_, typename Element_>
 struct BwdTraits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = flash_bwd::kBlockM;           // 64 query rows per Q block
+  // Key-major (d <= 128): each consumer warpgroup owns 64 keys of the K/V block and computes
+  // S^T = K Q^T and dP^T = V dO^T with the keys on the wgmma M side. P^T and dS^T then sit in
+  // registers in the A-operand layout of dV += P^T dO and dK += dS^T Q (RS wgmma): P never goes
+  // to shared memory and those two GEMMs read only B from it. Shared-memory bandwidth, not the
+  // tensor cores, bounds this kernel (an SS wgmma with N = 64 needs 128 B/clk/SM, all of it), so
+  // every operand read saved counts. Row-major (d = 192, 256): S = Q K^T per warpgroup over
+  // half of a 64-key block, dK/dV split along d (both 64 x d accumulators would not fit).
+  static constexpr bool kKeyMajor = kHeadDim <= 128;
+  static constexpr int kBlockM = block_m_for_bucket(kHeadDim);  // query rows per Q block
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;   // key rows per CTA
   static constexpr int kStages = 2;                            // Q/dO/LSE/D pipeline depth
   static constexpr int kNumMmaWarpGroups = 2;
@@ -53,22 +61,29 @@ struct BwdTraits {
                 kConsumerRegs <= 256, "setmaxnreg counts must be multiples of 8 in [24, 256]");
 
   // Work split between the two consumer warpgroups (wg = 0, 1):
-  //  S, dP : all kBlockM rows x columns [wg*kNS, (wg+1)*kNS) of the key block.
-  //  dK, dV: kBlockN=128 -> key rows [wg*64, wg*64+64) x all d;  kBlockN=64 -> all 64 key rows x
-  //          d columns [wg*d/2, (wg+1)*d/2).  Either way one 64-row wgmma M per warpgroup.
-  //  dQ    : all kBlockM rows x d columns [wg*d/2, (wg+1)*d/2).
-  static constexpr int kNS = kBlockN / 2;
+  //  key-major: S^T, dP^T, dK, dV: keys [wg*64, wg*64+64) x all rows / all d.
+  //  row-major: S, dP: all rows x keys [wg*kNS, (wg+1)*kNS); dK/dV: all 64 keys x d columns
+  //             [wg*d/2, (wg+1)*d/2).
+  //  dQ: kBlockM = 128: rows [wg*64, wg*64+64) x all d; kBlockM = 64: all rows x d columns
+  //      [wg*d/2, (wg+1)*d/2). Every GEMM has one 64-row wgmma M per warpgroup.
+  static constexpr int kNS = kKeyMajor ? 64 : kBlockN / 2;  // keys per warpgroup in S / S^T
   static constexpr int kWgAlongN = kBlockN / 64;  // 2: dK/dV split along keys, 1: along d
   static constexpr int kDKV = kHeadDim * kWgAlongN / 2;
-  static constexpr int kDQ = kHeadDim / 2;
+  static constexpr bool kDqAlongM = kBlockM == 128;
+  static constexpr int kDqRows = kDqAlongM ? 64 : kBlockM;
+  static constexpr int kDQ = kDqAlongM ? kHeadDim : kHeadDim / 2;
   static_assert(kBlockN / kWgAlongN == 64);
+  static_assert(!kKeyMajor || kWgAlongN == 2, "key-major needs 64 keys per warpgroup");
+  static_assert(kBlockM == 64 || (kBlockM == 128 && kKeyMajor));
 
   // Q, K, V, dO tiles: d contiguous (K-major for S = QK^T and dP = dO V^T). The swizzle width must
-  // divide d/2 so that the transposed (MN-major) views used by dQ = dS K, dK = dS^T Q, dV = P^T dO
-  // can be cut into per-warpgroup d-halves on swizzle-atom boundaries.
+  // divide the d-slice a warpgroup takes (d/2 where dQ or dK/dV are split along d) so that the
+  // transposed (MN-major) views used by dQ = dS K, dK = dS^T Q, dV = P^T dO can be cut into
+  // per-warpgroup slices on swizzle-atom boundaries (a GMMA descriptor cannot start mid-atom).
+  static constexpr int kDSlice = kDqAlongM ? kHeadDim : kHeadDim / 2;
   using SmemAtomQKV = std::conditional_t<
-      kDQ % 64 == 0, cute::GMMA::Layout_K_SW128_Atom<Element>,
-      std::conditional_t<kDQ % 32 == 0, cute::GMMA::Layout_K_SW64_Atom<Element>,
+      kDSlice % 64 == 0, cute::GMMA::Layout_K_SW128_Atom<Element>,
+      std::conditional_t<kDSlice % 32 == 0, cute::GMMA::Layout_K_SW64_Atom<Element>,
                          cute::GMMA::Layout_K_SW32_Atom<Element>>>;
   using SmemLayoutQ = decltype(cute::tile_to_shape(
       SmemAtomQKV{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));  // one stage
@@ -81,25 +96,67 @@ struct BwdTraits {
   using SmemLayoutKt = decltype(cute::composition(
       SmemLayoutKV{}, cute::make_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>>{},
                                         cute::Stride<cute::Int<kBlockN>, cute::_1>{})));
-  // P and dS: (kBlockM, kBlockN), key index contiguous, 128B swizzle (kBlockN is 64 or 128).
-  // K-major A operand for dQ = dS K; transposed (keys, rows) = MN-major A for dV and dK.
+  // P and dS: a (kBlockM, kBlockN) tile, 128B swizzle. Row-major: key index contiguous (S
+  // fragment pairs are adjacent keys), K-major A of dQ = dS K. Key-major: row index contiguous
+  // (S^T fragment pairs are adjacent rows), MN-major A of dQ = dS K. Either way the element
+  // pairs a thread holds are one 32-bit store, and a warp's stores hit 8 swizzled 16-byte chunks.
+  using SmemAtomPdS = std::conditional_t<kKeyMajor, cute::GMMA::Layout_MN_SW128_Atom<Element>,
+                                         cute::GMMA::Layout_K_SW128_Atom<Element>>;
   using SmemLayoutPdS = decltype(cute::tile_to_shape(
-      cute::GMMA::Layout_K_SW128_Atom<Element>{},
-      cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
+      SmemAtomPdS{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
+  // (keys, rows) view of the same bytes.
   using SmemLayoutPdSt = decltype(cute::composition(
       SmemLayoutPdS{}, cute::make_layout(cute::Shape<cute::Int<kBlockN>, cute::Int<kBlockM>>{},
                                          cute::Stride<cute::Int<kBlockM>, cute::_1>{})));
 
-  // One warpgroup's GEMMs (128 threads, fp32 accumulators, both operands from shared memory).
-  using MmaSdP = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
-      Element, Element, float, cute::Shape<cute::Int<kBlockM>, cute::Int<kNS>, cute::Int<kHeadDim>>,
-      cute::GMMA::Major::K, cute::GMMA::Major::K>()));
-  using MmadKV = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
-      Element, Element, float, cute::Shape<cute::_64, cute::Int<kDKV>, cute::Int<kBlockM>>,
-      cute::GMMA::Major::MN, cute::GMMA::Major::MN>()));
+  // One warpgroup's GEMMs (128 threads, fp32 accumulators).
+  //  S (S^T) and dP (dP^T): both operands from shared memory, K-major.
+  using MmaSdP = std::conditional_t<
+      kKeyMajor,
+      decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
+               Element, Element, float,
+               cute::Shape<cute::_64, cute::Int<kBlockM>, cute::Int<kHeadDim>>,
+               cute::GMMA::Major::K, cute::GMMA::Major::K>())),
+      decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
+               Element, Element, float,
+               cute::Shape<cute::Int<kBlockM>, cute::Int<kNS>, cute::Int<kHeadDim>>,
+               cute::GMMA::Major::K, cute::GMMA::Major::K>()))>;
+  //  dV += P^T dO, dK += dS^T Q: A from registers (key-major) or the transposed P / dS tile.
+  using MmadKV = std::conditional_t<
+      kKeyMajor,
+      decltype(cute::make_tiled_mma(cute::GMMA::rs_op_selector<
+               Element, Element, float,
+               cute::Shape<cute::_64, cute::Int<kDKV>, cute::Int<kBlockM>>,
+               cute::GMMA::Major::K, cute::GMMA::Major::MN>())),
+      decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
+               Element, Element, float,
+               cute::Shape<cute::_64, cute::Int<kDKV>, cute::Int<kBlockM>>,
+               cute::GMMA::Major::MN, cute::GMMA::Major::MN>()))>;
+  //  dQ = dS K: A = the dS tile (rows x keys), B = the transposed view of K.
   using MmadQ = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
-      Element, Element, float, cute::Shape<cute::Int<kBlockM>, cute::Int<kDQ>, cute::Int<kBlockN>>,
-      cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+      Element, Element, float, cute::Shape<cute::Int<kDqRows>, cute::Int<kDQ>, cute::Int<kBlockN>>,
+      kKeyMajor ? cute::GMMA::Major::MN : cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+
+  // Where accumulator thread `thr` of warpgroup wg writes its S (S^T) fragment into the P / dS
+  // tile: byte offsets from a 1024-aligned tile base, i.e. the same partition of the same layout
+  // over a null base. Element pairs (i, i+1) are adjacent (tests/cuda/check_bwd_layouts.cu).
+  template <typename ThrMma>
+  CUTE_HOST_DEVICE static auto pds_store_offsets(ThrMma const& thr, int wg) {
+    using namespace cute;
+    if constexpr (kKeyMajor) {
+      return thr.partition_C(local_tile(
+          make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), SmemLayoutPdSt{}),
+          Shape<_64, Int<kBlockM>>{}, make_coord(wg, _0{})));
+    } else {
+      return thr.partition_C(local_tile(
+          make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), SmemLayoutPdS{}),
+          Shape<Int<kBlockM>, Int<kNS>>{}, make_coord(_0{}, wg)));
+    }
+  }
+  // The S (S^T) accumulator tile of one warpgroup, and which of its modes is the query row.
+  using TileS = std::conditional_t<kKeyMajor, cute::Shape<cute::_64, cute::Int<kBlockM>>,
+                                   cute::Shape<cute::Int<kBlockM>, cute::Int<kNS>>>;
+  static constexpr int kRowMode = kKeyMajor ? 1 : 0;
 
   using TmaQ = decltype(make_tma_load_sdhb(
       static_cast<Element const*>(nullptr), ShapeSDHB{}, StrideSDHB{}, SmemLayoutQ{},
@@ -109,12 +166,16 @@ struct BwdTraits {
       cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
 
   // dQ partials leave the CTA in "fragment order": per Q block a chunk of kBlockM * kHeadDim
-  // floats, warpgroup wg's 64 x kDQ part at wg * kDqWgFloats, inside it the float pair (i, i+1) of
-  // accumulator thread t at (i / 2) * 256 + 2 t. A warp then stores 256 contiguous bytes (no bank
-  // conflicts) and the chunk is contiguous, so one bulk reduce adds it to the workspace; the
-  // postprocess maps fragments back to (row, column) with the same TiledMMA.
-  static constexpr int kDqWgFloats = kBlockM * kDQ;
+  // floats, warpgroup wg's kDqRows x kDQ part at wg * kDqWgFloats, inside it the float pair
+  // (i, i+1) of accumulator thread t at (i / 2) * 256 + 2 t. A warp then stores 256 contiguous
+  // bytes (no bank conflicts) and the chunk is contiguous, so one bulk reduce adds it to the
+  // workspace; the postprocess maps fragments back to (row, column) with the same TiledMMA.
+  static constexpr int kDqWgFloats = kDqRows * kDQ;
   static constexpr int kDqChunkFloats = kBlockM * kHeadDim;
+  static_assert(2 * kDqWgFloats == kDqChunkFloats);
+  // Row and column of warpgroup wg's part inside the (kBlockM, kHeadDim) block.
+  CUTE_HOST_DEVICE static constexpr int dq_row0(int wg) { return kDqAlongM ? wg * 64 : 0; }
+  CUTE_HOST_DEVICE static constexpr int dq_col0(int wg) { return kDqAlongM ? 0 : wg * kDQ; }
   // Distance between one thread's consecutive float pairs in a warpgroup's part: 128 threads x
   // one float2 each.
   static constexpr int kDqPairStride = 128;  // in float2
@@ -135,7 +196,7 @@ struct BwdTraits {
     alignas(1024) Element v[kSizeKV];
     alignas(1024) Element q[kStages * kSizeQ];
     alignas(1024) Element dout[kStages * kSizeQ];
-    alignas(1024) Element p[kSizePdS];
+    alignas(1024) Element p[kKeyMajor ? 8 : kSizePdS];  // key-major: P stays in registers
     alignas(1024) Element ds[kSizePdS];
     alignas(128) float dq[kDqViaSmem ? kDqChunkFloats : 4];  // one Q block's dQ partial
     alignas(16) float lse_log2[kStages][kBlockM];

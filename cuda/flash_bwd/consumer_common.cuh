@@ -1,0 +1,80 @@
+// What both consumer mainloops do the same way: hand one Q block's dQ partial to global memory,
+// and store dK / dV from registers at the end.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "flash_bwd/kernel_params.cuh"
+
+namespace jax_fa3::flash_bwd {
+
+// This warpgroup's dQ partial (accumulator tdQrdQ, its wgmmas complete) of query head qh, Q block
+// m, in fragment order (Traits::kDqWgFloats): this thread's pairs are kDqPairStride apart.
+template <typename Traits, typename Frag>
+__device__ __forceinline__ void store_dq_partial(KernelParams<Traits> const& p,
+                                                 typename Traits::SharedStorage& ss,
+                                                 Frag const& tdQrdQ, int wg, int tid, int ctid,
+                                                 int bidb, int qh, int m, int n_block) {
+  using namespace cute;
+  constexpr int kPairStride = Traits::kDqPairStride;  // in float2
+  constexpr uint32_t kMma = Traits::kNumMmaThreads;
+  if constexpr (Traits::kDqViaSmem) {
+    // The writer warp adds the chunk to global memory (and orders the deterministic mode).
+    named_barrier_sync(NamedBarrier::kDqEmpty, kMma + 32);
+    // 32-bit shared-window address: a generic 64-bit pointer here cost a register spill.
+    const uint32_t sdq = cute::cast_smem_ptr_to_uint(ss.dq + wg * Traits::kDqWgFloats) + tid * 8;
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdQrdQ); i += 2) {
+      st_shared_f32x2(sdq + (i / 2) * kPairStride * 8, tdQrdQ(i), tdQrdQ(i + 1));
+    }
+    cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> bulk reduce
+    named_barrier_arrive(NamedBarrier::kDqFull, kMma + 32);
+  } else {
+    // d = 256: add from registers. Padded rows and columns hold exact zeros (dS is 0 past
+    // s_q, K is zero-filled past d), so the whole chunk is added without masks.
+    int* sem = nullptr;
+    if (p.deterministic) {  // K blocks add in increasing order
+      if (ctid == 0) sem = wait_dq_turn(p, bidb, qh, m, n_block);
+      named_barrier_sync(NamedBarrier::kDeterministic, kMma);
+    }
+    float2* gdq = reinterpret_cast<float2*>(
+        dq_chunk(p, bidb, qh, m) + wg * Traits::kDqWgFloats) + tid;
+    CUTE_UNROLL
+    for (int i = 0; i < size(tdQrdQ); i += 2) {
+      atomicAdd(gdq + (i / 2) * kPairStride, make_float2(tdQrdQ(i), tdQrdQ(i + 1)));
+    }
+    if (p.deterministic) {
+      named_barrier_sync(NamedBarrier::kDeterministic, kMma);
+      if (ctid == 0) {
+        __threadfence();
+        atomicAdd(sem, 1);
+      }
+    }
+  }
+}
+
+// dK = softmax_scale * sum dS^T Q and dV = sum P^T dO of this warpgroup's (64 keys, kDKV columns)
+// slice: key rows from row0, d columns from col0; masked 4-byte pair stores.
+template <typename Traits, typename Frag, typename Coord>
+__device__ __forceinline__ void store_dk_dv(KernelParams<Traits> const& p, Frag const& tdKrdK,
+                                            Frag const& tdVrdV, Coord const& tdKVcdKV, int row0,
+                                            int col0, int hk, int bidb) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  const int64_t kv_row_stride = int64_t(p.h_k) * p.d;
+  const int64_t kv_base = int64_t(bidb) * p.s_k * kv_row_stride + int64_t(hk) * p.d;
+  uint32_t* dk = reinterpret_cast<uint32_t*>(static_cast<Element*>(p.dk) + kv_base);
+  uint32_t* dv = reinterpret_cast<uint32_t*>(static_cast<Element*>(p.dv) + kv_base);
+  CUTE_UNROLL
+  for (int i = 0; i < size(tdKrdK); i += 2) {
+    const int j = row0 + get<0>(tdKVcdKV(i));
+    const int c = col0 + get<1>(tdKVcdKV(i));
+    if (j < p.s_k && c < p.d) {
+      const int64_t idx = (int64_t(j) * kv_row_stride + c) / 2;
+      dk[idx] = pack2<Element>(tdKrdK(i) * p.softmax_scale, tdKrdK(i + 1) * p.softmax_scale);
+      dv[idx] = pack2<Element>(tdVrdV(i), tdVrdV(i + 1));
+    }
+  }
+}
+
+}  // namespace jax_fa3::flash_bwd

@@ -1,0 +1,204 @@
+// Key-major consumer mainloop (d <= 128: 128-key blocks, warpgroup wg owns keys
+// [wg*64, wg*64+64)). Per Q block of kBlockM rows, warpgroup wg:
+//   S^T = K_wg Q^T, dP^T = V_wg dO^T (wgmma SS, keys on M, rows on N);
+//   P^T = exp2(S^T*scale*log2e - lse*log2e) while dP^T still runs (0 where masked), then
+//   dS^T = P^T (dP^T - D) [x (1 - t^2), t = tanh(S^T*scale/cap)];
+//   P^T -> Element registers, dV += P^T dO issued at once (RS: A from registers);
+//   dS^T -> Element registers and into the shared dS tile (rows contiguous), fence.proxy.async,
+//   named barrier (dQ needs both warpgroups' keys);
+//   dQ = dS K (SS, the dS tile is an MN-major A), dK += dS^T Q (RS); dQ is stored while dK runs.
+// P never touches shared memory, and dV / dK read only their B operand from it.
+#pragma once
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "flash_bwd/consumer_common.cuh"
+
+namespace jax_fa3::flash_bwd {
+
+// kSoftcap is a template parameter (one kernel each), not a branch inside the loop: the softcap
+// loop accumulates dP^T onto -D (below), and a run-time choice of the dP^T wgmma's initial state
+// made ptxas serialize every wgmma of the kernel (C7512).
+template <typename Traits, bool kSoftcap>
+__device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> const& p,
+                                                       typename Traits::SharedStorage& ss,
+                                                       int n_block, int hk, int bidb, int group,
+                                                       int m_begin, int m_end) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kDQ = Traits::kDQ;
+  constexpr int kDqRows = Traits::kDqRows;
+  constexpr int kStages = Traits::kStages;
+  constexpr uint32_t kMma = Traits::kNumMmaThreads;
+  static_assert(Traits::kKeyMajor && Traits::kDKV == kHeadDim);
+  using Barrier = cutlass::arch::ClusterBarrier;
+  const int n_iters = (m_end - m_begin) * group;
+  const int wg = threadIdx.x / 128 - 1;     // 0 or 1
+  const int tid = threadIdx.x % 128;        // thread within the warpgroup
+  const int ctid = threadIdx.x - 128;       // thread within the consumers
+
+  typename Traits::MmaSdP mma_sdp;
+  typename Traits::MmadKV mma_dkv;
+  typename Traits::MmadQ mma_dq;
+  auto thr_sdp = mma_sdp.get_thread_slice(tid);
+  auto thr_dkv = mma_dkv.get_thread_slice(tid);
+  auto thr_dq = mma_dq.get_thread_slice(tid);
+
+  Tensor sK = make_tensor(make_smem_ptr(ss.k), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(make_smem_ptr(ss.v), typename Traits::SmemLayoutKV{});
+  Tensor sKt = make_tensor(make_smem_ptr(ss.k), typename Traits::SmemLayoutKt{});
+  Tensor sdS = make_tensor(make_smem_ptr(ss.ds), typename Traits::SmemLayoutPdS{});
+
+  // This warpgroup's operand slices (all cuts fall on swizzle-atom boundaries, see traits).
+  Tensor tSrK = thr_sdp.partition_fragment_A(
+      local_tile(sK, Shape<_64, Int<kHeadDim>>{}, make_coord(wg, _0{})));
+  Tensor tSrV = thr_sdp.partition_fragment_A(
+      local_tile(sV, Shape<_64, Int<kHeadDim>>{}, make_coord(wg, _0{})));
+  // dQ: rows [dq_row0, +kDqRows) x d columns [dq_col0, +kDQ), all kBlockN keys.
+  Tensor tdQrdS = thr_dq.partition_fragment_A(local_tile(
+      sdS, Shape<Int<kDqRows>, Int<kBlockN>>{}, make_coord(Traits::dq_row0(wg) / kDqRows, _0{})));
+  Tensor tdQrKt = thr_dq.partition_fragment_B(local_tile(
+      sKt, Shape<Int<kDQ>, Int<kBlockN>>{}, make_coord(Traits::dq_col0(wg) / kDQ, _0{})));
+  // Swizzled byte offsets of this thread's dS^T pairs in the dS tile (32-bit st.shared each).
+  Tensor tdSoff = Traits::pds_store_offsets(thr_sdp, wg);
+  const uint32_t ds_smem = cute::cast_smem_ptr_to_uint(ss.ds);
+
+  Tensor tSrS = partition_fragment_C(mma_sdp, Shape<_64, Int<kBlockM>>{});   // S^T, then P^T
+  Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<_64, Int<kBlockM>>{});  // dP^T, then dS^T
+  Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<_64, Int<kHeadDim>>{});
+  Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<_64, Int<kHeadDim>>{});
+  Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kDqRows>, Int<kDQ>>{});
+  // P^T and dS^T as A operands of dV / dK. For 16-bit types the S^T accumulator order is the
+  // A-fragment order (the same fact the forward's P V uses), so conversion is element-wise.
+  Tensor tdVrP = make_tensor<Element>(partition_shape_A(mma_dkv, Shape<_64, Int<kBlockM>>{}));
+  Tensor tdKrdS = make_tensor<Element>(partition_shape_A(mma_dkv, Shape<_64, Int<kBlockM>>{}));
+  static_assert(decltype(size(tdVrP))::value == decltype(size(tSrS))::value);
+  clear(tdVrdV);
+  clear(tdKrdK);
+
+  // (key, row) of every S^T accumulator element, tile-local; (key, d) of every dK/dV element.
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<_64, Int<kBlockM>>{}));
+  Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
+
+  const int off = p.s_k - p.s_q;
+  const int wl = p.geom.window_left;
+  const int wr = p.geom.window_right;
+  const int key_base = n_block * kBlockN + wg * 64;
+
+  if (n_iters > 0) Barrier::wait(&ss.bar_kv, 0);
+
+  int it = 0;
+  for (int g = 0; g < group; ++g) {
+    const int qh = hk * group + g;
+    for (int m = m_begin; m < m_end; ++m, ++it) {
+      const int stage = it % kStages;
+      Barrier::wait(&ss.bar_full[stage], (it / kStages) & 1);
+
+      Tensor sQ = make_tensor(make_smem_ptr(ss.q + stage * Traits::kSizeQ),
+                              typename Traits::SmemLayoutQ{});
+      Tensor sdO = make_tensor(make_smem_ptr(ss.dout + stage * Traits::kSizeQ),
+                               typename Traits::SmemLayoutQ{});
+      Tensor sQt = make_tensor(make_smem_ptr(ss.q + stage * Traits::kSizeQ),
+                               typename Traits::SmemLayoutQt{});
+      Tensor sdOt = make_tensor(make_smem_ptr(ss.dout + stage * Traits::kSizeQ),
+                                typename Traits::SmemLayoutQt{});
+
+      // LSE and D belong to the query row, the accumulator's column here: each thread reads
+      // them from shared memory per column pair (a warp touches 4 distinct addresses: broadcast).
+      const float* lse_s = ss.lse_log2[stage];
+      const float* dpsum_s = ss.dpsum[stage];
+      // Softcap: dP^T accumulates onto -D, so the GEMM yields dP^T - D and the elementwise code
+      // holds no D (with it, that path spilled at d = 64). Filled before any wgmma is in flight:
+      // written while S^T ran, ptxas made the dP^T wgmma wait for S^T (C7517).
+      if constexpr (kSoftcap) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrdP); ++i) tSrdP(i) = -dpsum_s[get<1>(tScS(i))];
+        warpgroup_fence_operand(tSrdP);  // every copy made here, not sunk past the S^T wgmma
+      }
+      wg_gemm<true>(mma_sdp, tSrK, thr_sdp.partition_fragment_B(sQ), tSrS);
+      wg_gemm<!kSoftcap>(mma_sdp, tSrV, thr_sdp.partition_fragment_B(sdO), tSrdP);
+      const int row_base = m * kBlockM;
+      const bool need_mask =
+          piece_needs_mask(row_base, kBlockM, key_base, 64, p.s_q, p.s_k, off, wl, wr);
+      auto p_and_ds = [&](auto mask) {
+        constexpr bool kMask = decltype(mask)::value;
+        // Branch-free: & rather than && (short-circuits compiled to branches per element).
+        auto visible = [&](int i) {
+          const int gi = row_base + get<1>(tScS(i));
+          const int gj = key_base + get<0>(tScS(i));
+          return bool((gi < p.s_q) & (gj < p.s_k) & ((wl < 0) | (gj >= gi + off - wl)) &
+                      ((wr < 0) | (gj <= gi + off + wr)));
+        };
+        if constexpr (!kSoftcap) {
+          // P^T while dP^T still runs; 0 where masked: a select, so no inf/NaN reaches the GEMMs.
+          CUTE_UNROLL
+          for (int i = 0; i < size(tSrS); ++i) {
+            const float pv = exp2f(tSrS(i) * p.score_log2 - lse_s[get<1>(tScS(i))]);
+            tSrS(i) = (!kMask || visible(i)) ? pv : 0.f;
+          }
+        }
+        // With softcap, P and dS both need t = tanh(S * scale / cap): all of it waits for dP
+        // (t computed early and kept in place of S made ptxas spill at d = 64).
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrdP);
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) {
+          if constexpr (kSoftcap) {
+            const float t = tanh_fast(tSrS(i) * p.tanh_in_scale);
+            const float pv = exp2f(t * p.score_log2 - lse_s[get<1>(tScS(i))]);
+            const bool vis = !kMask || visible(i);
+            tSrS(i) = vis ? pv : 0.f;
+            tSrdP(i) = vis ? pv * tSrdP(i) * (1.f - t * t) : 0.f;
+          } else {
+            // P is already 0 where masked.
+            tSrdP(i) = tSrS(i) * (tSrdP(i) - dpsum_s[get<1>(tScS(i))]);
+          }
+        }
+      };
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(tSrS);
+      if (need_mask) {
+        p_and_ds(cute::true_type{});
+      } else {
+        p_and_ds(cute::false_type{});
+      }
+
+      // dV += P^T dO straight from registers; it runs while dS^T is converted and shared.
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) tdVrP(i) = static_cast<Element>(tSrS(i));
+      wg_gemm<false>(mma_dkv, tdVrP, thr_dkv.partition_fragment_B(sdOt), tdVrdV);
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrdP); ++i) tdKrdS(i) = static_cast<Element>(tSrdP(i));
+
+      // Both warpgroups' dQ wgmmas of the previous block have finished reading the dS tile.
+      if (it > 0) named_barrier_sync(NamedBarrier::kPdSFree, kMma);
+      CUTE_UNROLL
+      for (int i = 0; i < size(tdKrdS); i += 2) {
+        const uint32_t off_b =
+            static_cast<uint32_t>(reinterpret_cast<uintptr_t>(raw_pointer_cast(&tdSoff(i))));
+        st_shared_b32(ds_smem + off_b, pack2<Element>(tdKrdS(i), tdKrdS(i + 1)));
+      }
+      cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma (async proxy)
+      named_barrier_sync(NamedBarrier::kPdSReady, kMma);
+
+      wg_gemm<true>(mma_dq, tdQrdS, tdQrKt, tdQrdQ);
+      wg_gemm<false>(mma_dkv, tdKrdS, thr_dkv.partition_fragment_B(sQt), tdKrdK);
+      warpgroup_wait<1>();  // dV and dQ are done (groups complete in order); dK may still run
+      warpgroup_fence_operand(tdQrdQ);
+      warpgroup_fence_operand(tdVrdV);
+
+      store_dq_partial<Traits>(p, ss, tdQrdQ, wg, tid, ctid, bidb, qh, m, n_block);
+
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tdKrdK);
+      Barrier::arrive(&ss.bar_empty[stage]);  // Q, dO, LSE, D of this stage are no longer read
+    }
+  }
+
+  store_dk_dv<Traits>(p, tdKrdK, tdVrdV, tdKVcdKV, n_block * kBlockN + wg * 64, 0, hk, bidb);
+}
+
+}  // namespace jax_fa3::flash_bwd
