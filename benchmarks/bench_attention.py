@@ -49,9 +49,12 @@ def _grad_fn(forward):
 def _flash_attn3_peer(causal):
   """FA3's own kernels via the flash-attn3-jax package (sm90, d=128), when installed."""
   try:
-    from flash_attn_jax import flash_mha  # noqa: PLC0415
+    from flash_attn3_jax import flash_mha  # noqa: PLC0415
   except ImportError:
-    return None
+    try:
+      from flash_attn_jax import flash_mha  # noqa: PLC0415  (its older module name)
+    except ImportError:
+      return None
   return _bench.Peer("fa3_kernels", lambda q, k, v: flash_mha(q, k, v, is_causal=causal))
 
 
