@@ -9,26 +9,31 @@
 namespace jax_fa3::flash_bwd {
 
 // This warpgroup's dQ partial (accumulator tdQrdQ, its wgmmas complete) of query head qh, Q block
-// m, in fragment order (Traits::kDqWgFloats): this thread's pairs are kDqPairStride apart.
+// m, in fragment order (Traits::kDqWgFloats): this thread's pairs are kDqPairStride apart. `stage`
+// is the Q/dO stage of the block (the CTA's it-th: it % kStages); the sdq buffer is
+// it % kDqStages, the same number when there are two, taken from it to hold no extra register.
 template <typename Traits, typename Frag>
 __device__ __forceinline__ void store_dq_partial(KernelParams<Traits> const& p,
                                                  typename Traits::SharedStorage& ss,
                                                  Frag const& tdQrdQ, int wg, int tid, int ctid,
-                                                 int bidb, int qh, int m, int n_block) {
+                                                 int bidb, int qh, int m, int n_block, int stage) {
   using namespace cute;
   constexpr int kPairStride = Traits::kDqPairStride;  // in float2
   constexpr uint32_t kMma = Traits::kNumMmaThreads;
   if constexpr (Traits::kDqViaSmem) {
     // The writer warp adds the chunk to global memory (and orders the deterministic mode).
-    named_barrier_sync(NamedBarrier::kDqEmpty, kMma + 32);
+    static_assert(Traits::kDqStages == 1 || Traits::kDqStages == Traits::kStages);
+    const int buf = Traits::kDqStages == 1 ? 0 : stage;
+    named_barrier_sync(dq_barrier(NamedBarrier::kDqEmpty, buf), kMma + 32);
     // 32-bit shared-window address: a generic 64-bit pointer here cost a register spill.
-    const uint32_t sdq = cute::cast_smem_ptr_to_uint(ss.dq + wg * Traits::kDqWgFloats) + tid * 8;
+    const uint32_t sdq = cute::cast_smem_ptr_to_uint(ss.dq + buf * Traits::kDqChunkFloats +
+                                                     wg * Traits::kDqWgFloats) + tid * 8;
     CUTE_UNROLL
     for (int i = 0; i < size(tdQrdQ); i += 2) {
       st_shared_f32x2(sdq + (i / 2) * kPairStride * 8, tdQrdQ(i), tdQrdQ(i + 1));
     }
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> bulk reduce
-    named_barrier_arrive(NamedBarrier::kDqFull, kMma + 32);
+    named_barrier_arrive(dq_barrier(NamedBarrier::kDqFull, buf), kMma + 32);
   } else {
     // d = 256: add from registers. Padded rows and columns hold exact zeros (dS is 0 past
     // s_q, K is zero-filled past d), so the whole chunk is added without masks.

@@ -190,7 +190,7 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> cons
       warpgroup_fence_operand(tdQrdQ);
       warpgroup_fence_operand(tdVrdV);
 
-      store_dq_partial<Traits>(p, ss, tdQrdQ, wg, tid, ctid, bidb, qh, m, n_block);
+      store_dq_partial<Traits>(p, ss, tdQrdQ, wg, tid, ctid, bidb, qh, m, n_block, stage);
 
       warpgroup_wait<0>();
       warpgroup_fence_operand(tdKrdK);

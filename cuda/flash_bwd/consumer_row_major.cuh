@@ -204,7 +204,7 @@ __device__ __forceinline__ void run_consumer_row_major(KernelParams<Traits> cons
       warpgroup_wait<2>();  // the dQ group is done; the dV and dK groups may still run
       warpgroup_fence_operand(tdQrdQ);
 
-      store_dq_partial<Traits>(p, ss, tdQrdQ, wg, tid, ctid, bidb, qh, m, n_block);
+      store_dq_partial<Traits>(p, ss, tdQrdQ, wg, tid, ctid, bidb, qh, m, n_block, stage);
 
       warpgroup_wait<0>();
       warpgroup_fence_operand(tdVrdV);

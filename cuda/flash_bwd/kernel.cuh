@@ -19,30 +19,37 @@
 
 namespace jax_fa3::flash_bwd {
 
-// The dQ writer warp: walks the same (query head, Q block) sequence as the consumers. For each
-// block it waits for the partial in sdq (kDqFull), lane 0 bulk-reduces it into the workspace and
-// waits until the bulk unit has read it, then hands sdq back (kDqEmpty). The first kDqEmpty is
-// given up front (sdq starts free) and the last one is never given, so arrivals and waits match
-// one for one. Deterministic mode: lane 0 first waits for its turn on the block's semaphore and
-// releases the next K block only once its adds are complete.
+// The dQ writer warp: walks the same (query head, Q block) sequence as the consumers; Q block
+// number `it` uses sdq buffer it % kDqStages. For each block it waits for the partial in its
+// buffer (kDqFull), lane 0 bulk-reduces it into the workspace, and the buffer is handed back
+// (kDqEmpty) once the bulk unit has read it: with two buffers the writer waits for the previous
+// block's reduce only, so one reduce reads while the consumers fill the other buffer. Every
+// buffer's first kDqEmpty is given up front and a buffer is handed back only for a later use,
+// so arrivals and waits match one for one. Deterministic mode: lane 0 first waits for its turn
+// on the block's semaphore and releases the next K block only once its adds are complete.
 template <typename Traits>
 __device__ __forceinline__ void dq_writer(KernelParams<Traits> const& p, const float* sdq, int group,
                                           int m_begin, int m_end, int hk, int bidb, int n_block) {
   constexpr uint32_t kThreads = Traits::kNumMmaThreads + 32;
   constexpr uint32_t kBytes = Traits::kDqChunkFloats * sizeof(float);
+  constexpr int kDqStages = Traits::kDqStages;
   const bool leader = threadIdx.x % 32 == 0;
-  named_barrier_arrive(NamedBarrier::kDqEmpty, kThreads);
   const int n_iters = (m_end - m_begin) * group;
+  named_barrier_arrive(NamedBarrier::kDqEmpty, kThreads);  // n_iters > 0 here
+  if (kDqStages == 2 && n_iters > 1) {
+    named_barrier_arrive(dq_barrier(NamedBarrier::kDqEmpty, 1), kThreads);
+  }
   int it = 0;
 #pragma unroll 1
   for (int g = 0; g < group; ++g) {
     const int qh = hk * group + g;
 #pragma unroll 1
     for (int m = m_begin; m < m_end; ++m, ++it) {
-      named_barrier_sync(NamedBarrier::kDqFull, kThreads);
+      const int buf = kDqStages == 1 ? 0 : it & 1;
+      named_barrier_sync(dq_barrier(NamedBarrier::kDqFull, buf), kThreads);
       if (leader) {
         int* sem = p.deterministic ? wait_dq_turn(p, bidb, qh, m, n_block) : nullptr;
-        bulk_reduce_add_s2g(dq_chunk(p, bidb, qh, m), sdq, kBytes);
+        bulk_reduce_add_s2g(dq_chunk(p, bidb, qh, m), sdq + buf * Traits::kDqChunkFloats, kBytes);
         bulk_commit();
         if (p.deterministic) {
           bulk_wait();  // the adds are done, not only the reads of sdq
@@ -50,11 +57,19 @@ __device__ __forceinline__ void dq_writer(KernelParams<Traits> const& p, const f
           __threadfence();
           atomicAdd(sem, 1);
         } else {
-          bulk_wait_read();
+          bulk_wait_read<kDqStages - 1>();  // block it - kDqStages + 1 has been read
         }
       }
       __syncwarp();
-      if (it + 1 < n_iters) named_barrier_arrive(NamedBarrier::kDqEmpty, kThreads);
+      // Hand back the buffer whose reads are known complete, if a later block uses it: this
+      // block's (deterministic mode, or one buffer), else the previous block's.
+      if (kDqStages == 1 || p.deterministic) {
+        if (it + kDqStages < n_iters) {
+          named_barrier_arrive(dq_barrier(NamedBarrier::kDqEmpty, buf), kThreads);
+        }
+      } else if (it >= 1 && it + 1 < n_iters) {
+        named_barrier_arrive(dq_barrier(NamedBarrier::kDqEmpty, buf ^ 1), kThreads);
+      }
     }
   }
   if (leader) bulk_wait();

@@ -12,10 +12,17 @@ enum class NamedBarrier : uint32_t {
   kPdSReady = 1,   // both warpgroups wrote their half of P and dS (after fence.proxy.async)
   kPdSFree = 2,    // both warpgroups' wgmmas that read P and dS of the previous block finished
   kDeterministic = 3,  // dQ semaphore acquired / all dQ atomics of this block issued
-  // dQ through shared memory (consumers + the dQ-writer warp, kMma + 32 threads):
+  // dQ through shared memory (consumers + the dQ-writer warp, kMma + 32 threads), one pair per
+  // sdq buffer b at kDqFull + 2 b, kDqEmpty + 2 b (dq_barrier):
   kDqFull = 4,     // consumers wrote this block's dQ partial into sdq (after fence.proxy.async)
   kDqEmpty = 5,    // the writer's bulk reduce finished reading sdq: it may be overwritten
 };
+
+// The named barrier `id` (kDqFull or kDqEmpty) of sdq buffer b. A run-time barrier id makes
+// ptxas reserve all 16 barriers, harmless at one CTA per SM.
+__device__ __forceinline__ NamedBarrier dq_barrier(NamedBarrier id, int b) {
+  return static_cast<NamedBarrier>(static_cast<uint32_t>(id) + 2 * b);
+}
 
 __device__ __forceinline__ void named_barrier_sync(NamedBarrier id, uint32_t num_threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(static_cast<uint32_t>(id)), "r"(num_threads) : "memory");
@@ -59,8 +66,10 @@ __device__ __forceinline__ void bulk_reduce_add_s2g(float* gmem_dst, const float
                : "memory");
 }
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Until at most kPending committed bulk groups still read their shared-memory source.
+template <int kPending = 0>
 __device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
 }
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
 

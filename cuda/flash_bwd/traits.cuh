@@ -184,6 +184,10 @@ struct BwdTraits {
   // (d <= 192: +16..48 KB); d = 256 (208 KB without it) adds from registers with red.global.v2.
   static constexpr bool kDqViaSmem = kHeadDim <= 192;
 
+  // sdq buffers: two for key-major (d <= 128: 160-208 KB), so the bulk reduce of one Q block's
+  // partial reads while the consumers store the next one; one at d >= 192 (no room).
+  static constexpr int kDqStages = kKeyMajor ? 2 : 1;
+
   static constexpr int kSizeQ = cute::cosize_v<SmemLayoutQ>;     // elements per stage
   static constexpr int kSizeKV = cute::cosize_v<SmemLayoutKV>;
   static constexpr int kSizePdS = cute::cosize_v<SmemLayoutPdS>;
@@ -198,7 +202,7 @@ struct BwdTraits {
     alignas(1024) Element dout[kStages * kSizeQ];
     alignas(1024) Element p[kKeyMajor ? 8 : kSizePdS];  // key-major: P stays in registers
     alignas(1024) Element ds[kSizePdS];
-    alignas(128) float dq[kDqViaSmem ? kDqChunkFloats : 4];  // one Q block's dQ partial
+    alignas(128) float dq[kDqViaSmem ? kDqStages * kDqChunkFloats : 4];  // dQ partials
     alignas(16) float lse_log2[kStages][kBlockM];
     alignas(16) float dpsum[kStages][kBlockM];
     alignas(8) uint64_t bar_kv;              // K and V landed (tx barrier, 1 arrival)
@@ -206,6 +210,7 @@ struct BwdTraits {
     uint64_t bar_empty[kStages];             // consumers done with a stage (256 arrivals)
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + base alignment slack
+  static_assert(kDqStages == 1 || kDqStages == 2);
   static_assert(kSmemBytes <= 227 * 1024, "backward tile does not fit shared memory");
 };
 
