@@ -19,7 +19,7 @@ import json
 
 # Column order and labels; a peer absent from the run gets no column.
 PEERS = (("jax_fa3", "jax_fa3"), ("cudnn", "cuDNN"), ("pallas_mgpu", "Pallas MGPU (fp16)"),
-         ("xla", "XLA"))
+         ("fa3_kernels", "FA3 kernels"), ("xla", "XLA"))
 # Forward only, shown when the run has them: the user's fp8 call from bf16 inputs (rotation and
 # quantization inside the timing) and cuDNN's fp8 attention from pre-quantized inputs.
 FP8_PEERS = (("jax_fa3_fp8_e2e", "jax_fa3 fp8 from bf16"), ("cudnn_fp8", "cuDNN fp8"))
@@ -95,7 +95,7 @@ def plot(header: dict, rows: list[dict], path: str) -> None:
   directions = [(d, label) for d, label in DIRECTIONS if any(r.get(f"{d}_tflops") for r in rows)]
   fig, axes = plt.subplots(len(directions), len(head_dims), squeeze=False,
                            figsize=(max(6.0, 3.6 * len(head_dims)), 3.0 * len(directions) + 1.0), sharey="row")
-  colors = dict(zip((p for p, _ in PEERS), ("C3", "C0", "C2", "C7")))
+  colors = dict(zip((p for p, _ in PEERS), ("C3", "C0", "C2", "C1", "C7")))
   for row, (direction, dlabel) in enumerate(directions):
     for col, d in enumerate(head_dims):
       ax = axes[row][col]
