@@ -124,6 +124,31 @@ def announce_once(key: str, message: str) -> None:
     logger.warning(message)
 
 
+# The FFI handlers' size limits (cuda/ffi/attention_dims.h): rows, keys and mask bounds are int32
+# in the kernels, which holds for sequence lengths up to 2^29, and the forward's tile scheduler
+# counts query tiles (64 rows) over all batches and heads in int32, up to 2^29 of them.
+KERNEL_MAX_SEQLEN = 1 << 29
+KERNEL_MAX_QUERY_TILES = 1 << 29
+
+
+def check_kernel_sizes(q_shape, k_shape) -> None:
+  """Raises ValueError, naming the limit, for shapes (b, s, h, d) the kernels cannot address;
+  checked before a kernel call is traced, so the user sees it instead of the handler's error
+  at run time. (Batch dimensions added by vmap are folded in later and checked by the handler.)"""
+  b, s_q, h = q_shape[0], q_shape[1], q_shape[2]
+  s_k = k_shape[1]
+  if s_q > KERNEL_MAX_SEQLEN or s_k > KERNEL_MAX_SEQLEN:
+    raise ValueError(
+        f"seqlen_q and seqlen_k must be at most 2^29 = {KERNEL_MAX_SEQLEN} on the Hopper kernels "
+        f"(they index rows and keys in int32), got seqlen_q={s_q}, seqlen_k={s_k}; split the "
+        f"sequence across devices (jax_fa3.ring_attention) or call with shorter sequences")
+  if -(-s_q // 64) * h * b > KERNEL_MAX_QUERY_TILES:
+    raise ValueError(
+        f"ceil(seqlen_q / 64) * heads * batch must be at most 2^29 = {KERNEL_MAX_QUERY_TILES} on "
+        f"the Hopper kernels (query tiles are counted in int32), got q of shape {tuple(q_shape)}; "
+        f"split the batch into several calls")
+
+
 def flash_bwd_workspace_bytes(b: int, h: int, s_q: int, d: int, deterministic: bool) -> int:
   """Size of the workspace result the backward handler needs (the formula lives in C++ only)."""
   module, reason = _extension()

@@ -86,6 +86,7 @@ def _fp8_forward_jit(q8, k8, v8, q_scale, k_scale, v_scale, v_mean, cfg: Fp8Conf
     _ffi.announce_once(f"fp8:{reason}", f"jax_fa3: emulating the fp8 attention kernel in pure "
                        f"JAX: {reason}")
     return emulate(q8, k8, v8, q_scale, k_scale, v_scale, v_mean)
+  _ffi.check_kernel_sizes(q8.shape, k8.shape)
   _ffi.ensure_registered()
   return lax.platform_dependent(q8, k8, v8, q_scale, k_scale, v_scale, v_mean,
                                 cuda=kernel_forward(cfg), default=emulate)

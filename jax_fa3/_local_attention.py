@@ -26,11 +26,9 @@ def head_dim_bucket(head_dim: int) -> int:
   return next(b for b in HEAD_DIM_BUCKETS if b >= head_dim)
 
 
-# The backward kernel runs by default on Hopper: on the H200 (2026-11-30, kernels of `2f28494`)
-# it passed all 37 gradient tests (d = 40-256, bf16 and fp16, ragged and s_q != s_k, causal,
-# windows, softcap, GQA/MQA, deterministic bit-identity), compute-sanitizer memcheck and racecheck
-# clean, at 1.4x XLA's backward speed (but 0.5x cuDNN's). JAX_FA3_BWD_KERNEL=0 sends gradients to
-# the pure-JAX backward instead (e.g. to bisect a suspected kernel problem).
+# The backward kernel runs by default on Hopper (tests/test_gpu_backward.py holds it to a float64
+# oracle; speed in benchmarks/RESULTS.md). JAX_FA3_BWD_KERNEL=0 sends gradients to the pure-JAX
+# backward instead (e.g. to bisect a suspected kernel problem).
 BACKWARD_KERNEL_ENV = "JAX_FA3_BWD_KERNEL"
 
 
@@ -107,6 +105,7 @@ def forward_local(q, k, v, cfg: AttentionConfig):
 
   if not _use_kernel("jax_fa3_flash_fwd", q):
     return ref(q, k, v)
+  _ffi.check_kernel_sizes(q.shape, k.shape)
   return jax.lax.platform_dependent(q, k, v, cuda=_forward_kernel(cfg), default=ref)
 
 
@@ -121,5 +120,6 @@ def backward_local(q, k, v, out, lse, dout, cfg: AttentionConfig, dlse=None):
   if dlse is not None or not _use_kernel("jax_fa3_flash_bwd", q):
     # The kernels take no lse cotangent yet: gradients through a returned lse use the reference.
     return ref(q, k, v, out, lse, dout)
+  _ffi.check_kernel_sizes(q.shape, k.shape)
   return jax.lax.platform_dependent(q, k, v, out, lse, dout, cuda=_backward_kernel(cfg),
                                     default=ref)

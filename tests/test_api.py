@@ -182,3 +182,25 @@ def test_main_job_runs_every_peer_and_says_which_path(capsys):
   for line in rows:
     err = float(line.split("|")[1].split()[1])
     assert err < (0.1 if "fp8" in line else 1e-2), line
+
+
+# The kernels' int32 size limits, raised as ValueError before tracing (cuda/ffi/attention_dims.h
+# states the same bounds for the handlers).
+@pytest.mark.parametrize("q_shape,k_shape,message", [
+    ((1, 2**29 + 1, 1, 64), (1, 16, 1, 64), "seqlen_q and seqlen_k must be at most 2\\^29"),
+    ((1, 16, 1, 64), (1, 2**29 + 1, 1, 64), "seqlen_q and seqlen_k must be at most 2\\^29"),
+    ((2**14, 65536, 64, 64), (2**14, 16, 64, 64), "ceil\\(seqlen_q / 64\\) \\* heads \\* batch"),
+])
+def test_kernel_size_limits_name_the_bound(q_shape, k_shape, message):
+  from jax_fa3 import _ffi  # noqa: PLC0415
+  with pytest.raises(ValueError, match=message):
+    _ffi.check_kernel_sizes(q_shape, k_shape)
+
+
+@pytest.mark.parametrize("q_shape,k_shape", [
+    ((1, 2**29, 1, 64), (1, 2**29, 1, 64)),           # the longest sequences allowed
+    ((2**13, 65536, 64, 64), (2**13, 65536, 64, 64)),  # exactly 2^29 query tiles
+])
+def test_kernel_size_limits_accept_the_bound(q_shape, k_shape):
+  from jax_fa3 import _ffi  # noqa: PLC0415
+  _ffi.check_kernel_sizes(q_shape, k_shape)

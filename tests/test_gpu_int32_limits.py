@@ -134,3 +134,15 @@ def test_backward_window_past_every_key_is_unbounded(window):
 
   for got, want in zip(grads(window), grads(unbounded)):
     _equal(got, want)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_sequence_past_2_29_is_a_value_error_at_trace_time(grad):
+  # Only traced (eval_shape), never allocated: the check runs before the kernel call exists.
+  q = jax.ShapeDtypeStruct((1, 2**29 + 64, 1, 64), jnp.bfloat16)
+  skip_unless_compiled(q)
+  f = lambda q, k, v: jax_fa3.flash_attention(q, k, v)
+  if grad:
+    f = jax.grad(lambda q, k, v: jax_fa3.flash_attention(q, k, v).astype(jnp.float32).sum())
+  with pytest.raises(ValueError, match="at most 2\\^29"):
+    jax.eval_shape(f, q, q, q)

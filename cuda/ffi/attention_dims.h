@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/window.h"
 #include "ffi/ffi_common.h"
 
 namespace jax_fa3::ffi_util {
@@ -93,10 +94,9 @@ inline ffi::Error check_attention_scalars(const char* op, float softmax_scale, f
   return ffi::Error::Success();
 }
 
-// A window bound of s_q + s_k or more reaches past every key: the same as unbounded (-1), and
-// clamping it keeps the kernels' int32 mask bounds in range (see kMaxSeqLen).
+// common/window.h's clamp, for a handler that builds kernel parameters itself (see kMaxSeqLen).
 inline int32_t unbounded_past_reach(int32_t window, const AttentionDims& a) {
-  return window >= a.s_q + a.s_k ? -1 : window;
+  return clamp_window_past_reach(window, a.s_q, a.s_k);
 }
 
 // Copies the sizes into a kernel's parameters (each fits in int32 once read_attention_dims passed

@@ -171,7 +171,9 @@ ffi::Error poison_and_launch(const char* op, cudaStream_t stream, Launch&& launc
     const std::string what = std::string(op) + " output poisoning (JAX_FA3_DEBUG_POISON_OUTPUTS)";
     return from_cuda(err, what.c_str());
   }
-  return from_cuda(launch(), (std::string(op) + " kernel launch").c_str());
+  const cudaError_t err = launch();
+  if (err == cudaSuccess) return ffi::Error::Success();  // no message built on the hot path
+  return from_cuda(err, (std::string(op) + " kernel launch").c_str());
 }
 
 // The binding every handler starts from: the CUDA stream XLA runs it on.

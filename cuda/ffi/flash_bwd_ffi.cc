@@ -108,8 +108,8 @@ ffi::Error flash_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q,
   ffi_util::set_dims(p, a);
   p.softmax_scale = softmax_scale;
   p.softcap = softcap;
-  // The forward clamps in make_scalars (flash_fwd/launch.h); the backward's block ranges
-  // (block_range.h) compute in int32 too and get the same clamp here.
+  // The same clamp as the forward's make_scalars (common/window.h): the backward's block ranges
+  // (block_range.h) compute in int32 too.
   p.window_left = ffi_util::unbounded_past_reach(window_left, a);
   p.window_right = ffi_util::unbounded_past_reach(window_right, a);
   p.deterministic = deterministic;

@@ -76,7 +76,8 @@ ffi::Error flash_fwd_fp8_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuf
   }
 
   // After the shape checks, so a malformed call is reported as such first.
-  const int bucket = fp8_head_dim_bucket(static_cast<int>(a.d));
+  // d is bounded before the narrowing cast (a 64-bit d past INT_MAX must not wrap to a bucket).
+  const int bucket = a.d > 0 && a.d <= 256 ? fp8_head_dim_bucket(static_cast<int>(a.d)) : 0;
   if (bucket == 0) {
     return invalid(kOp, ": no fp8 kernel for head dim ", a.d,
                    " (needs a multiple of 16 up to a compiled bucket of 64/128/256; this build "

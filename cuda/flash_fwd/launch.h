@@ -9,6 +9,7 @@
 #include <cute/tensor.hpp>
 
 #include "common/cuda_check.h"
+#include "common/window.h"
 #include "flash_fwd/flash_fwd.h"
 #include "flash_fwd/kernel_traits.h"
 #include "flash_fwd/launch_common.h"
@@ -32,11 +33,8 @@ inline FlashFwdScalars make_scalars(const FlashFwdParams& p) {
   s.softcap_pre = p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f;
   // With softcap the scale is applied inside tanh; the capped score is in natural units.
   s.scale_log2 = p.softcap > 0.f ? kLog2e : p.softmax_scale * kLog2e;
-  // A bound of s_q + s_k or more reaches past every key: the same as unbounded, and clamping it
-  // keeps row + (s_k - s_q) +- window inside int32 in the masks.
-  const int64_t reach = int64_t(p.s_q) + p.s_k;
-  s.window_left = p.window_left >= reach ? -1 : p.window_left;
-  s.window_right = p.window_right >= reach ? -1 : p.window_right;
+  s.window_left = clamp_window_past_reach(p.window_left, p.s_q, p.s_k);
+  s.window_right = clamp_window_past_reach(p.window_right, p.s_q, p.s_k);
   s.lse = p.lse;
   return s;
 }
