@@ -15,10 +15,6 @@ from jax_fa3._config import AttentionConfig
 from jax_fa3._validation import attention_config
 
 
-def _local_backward(q, k, v, out, lse, dout, cfg):
-  return _local_attention.backward_local(q, k, v, out, lse, dout, cfg)
-
-
 def _local_backward_dlse(q, k, v, out, lse, dout, dlse, cfg):
   return _local_attention.backward_local(q, k, v, out, lse, dout, cfg, dlse=dlse)
 
@@ -39,8 +35,8 @@ FORWARD = _partitioning.AttentionOp(
     "flash_fwd", ("q", "kv", "kv"), ("q", "row"), _local_attention.forward_local, _ring_forward,
     ring.ring_unsupported_reason)
 BACKWARD = _partitioning.AttentionOp(
-    "flash_bwd", ("q", "kv", "kv", "q", "row", "q"), ("q", "kv", "kv"), _local_backward,
-    _ring_backward, ring.ring_unsupported_reason)
+    "flash_bwd", ("q", "kv", "kv", "q", "row", "q"), ("q", "kv", "kv"),
+    _local_attention.backward_local, _ring_backward, ring.ring_unsupported_reason)
 BACKWARD_DLSE = _partitioning.AttentionOp(
     "flash_bwd_dlse", ("q", "kv", "kv", "q", "row", "q", "row"), ("q", "kv", "kv"),
     _local_backward_dlse, _ring_backward_dlse, ring.ring_unsupported_reason)
