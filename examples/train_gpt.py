@@ -7,10 +7,13 @@ is 6 layers, width 512, 8 heads, sequence 1024, in bfloat16; on the CPU (or with
   python examples/train_gpt.py                               # jax_fa3 attention
   python examples/train_gpt.py --attention xla               # jax.nn.dot_product_attention (XLA)
   python examples/train_gpt.py --compare --plot loss.png     # jax_fa3 vs XLA, same init and data
+  python examples/train_gpt.py --compare-fp8 --steps 1000    # jax_fa3 bf16 vs its FP8 mode
   python examples/train_gpt.py --parallel shard_map          # data parallel on all local devices
 
 `--attention xla|cudnn` uses flax.linen.MultiHeadDotProductAttention with the same parameter tree
-as our layer, so both models start from the very same parameters.
+as our layer, so both models start from the very same parameters. `--attention jax_fa3_fp8` is our
+layer in FP8 mode (e4m3 forward with a Hadamard rotation, `fp8_backward="bf16"`); its rotation
+signs live outside the parameters, which are again the same.
 """
 from __future__ import annotations
 
@@ -56,7 +59,8 @@ class ModelConfig:
 
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--attention", choices=("jax_fa3", "xla", "cudnn"), default="jax_fa3")
+  parser.add_argument("--attention", choices=("jax_fa3", "jax_fa3_fp8", "xla", "cudnn"),
+                      default="jax_fa3")
   parser.add_argument("--parallel", choices=("none", "pmap", "shard_map", "jit"), default="none",
                       help="data parallelism over all local devices")
   parser.add_argument("--small", action="store_true", help="the CPU-sized model (automatic on CPU)")
@@ -67,7 +71,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--compare", action="store_true",
                       help="train jax_fa3 and xla attention from the same init and data")
-  parser.add_argument("--plot", default="train_gpt_loss.png", help="PNG written with --compare")
+  parser.add_argument("--compare-fp8", action="store_true",
+                      help="train jax_fa3 in bf16 and in FP8 mode from the same init and data")
+  parser.add_argument("--fp8-backward", choices=("bf16", "recompute"), default="bf16",
+                      help="FP8 mode's backward (flash_attention_fp8's `backward`)")
+  parser.add_argument("--plot", default="train_gpt_loss.png",
+                      help="PNG written with --compare / --compare-fp8")
   parser.add_argument("--quiet", action="store_true", help="no progress bar")
   args = parser.parse_args(argv)
   args.small = args.small or jax.default_backend() == "cpu"
@@ -110,11 +119,15 @@ def reference_attention_fn(query, key, value, *, implementation):
                                       implementation=implementation)
 
 
-def attention_layer(kind: str, heads: int, dtype):
+def attention_layer(kind: str, heads: int, dtype, fp8_backward: str):
   """Our layer or Flax's with XLA/cuDNN attention: the same parameter tree either way."""
   if kind == "jax_fa3":
     return jax_fa3.flax.linen.MultiHeadDotProductAttention(
         num_heads=heads, causal=True, dtype=dtype, name="attention")
+  if kind == "jax_fa3_fp8":
+    return jax_fa3.flax.linen.MultiHeadDotProductAttention(
+        num_heads=heads, causal=True, dtype=dtype, fp8=True, fp8_backward=fp8_backward,
+        name="attention")
   return nn.MultiHeadDotProductAttention(
       num_heads=heads, dtype=dtype, name="attention",
       attention_fn=functools.partial(reference_attention_fn, implementation=kind))
@@ -123,11 +136,13 @@ def attention_layer(kind: str, heads: int, dtype):
 class Block(nn.Module):
   config: ModelConfig
   attention: str
+  fp8_backward: str = "bf16"
 
   @nn.compact
   def __call__(self, x):
     cfg = self.config
-    x = x + attention_layer(self.attention, cfg.heads, cfg.dtype)(nn.LayerNorm(dtype=cfg.dtype)(x))
+    attention = attention_layer(self.attention, cfg.heads, cfg.dtype, self.fp8_backward)
+    x = x + attention(nn.LayerNorm(dtype=cfg.dtype)(x))
     h = nn.Dense(4 * cfg.width, dtype=cfg.dtype)(nn.LayerNorm(dtype=cfg.dtype)(x))
     return x + nn.Dense(cfg.width, dtype=cfg.dtype)(nn.gelu(h))
 
@@ -135,6 +150,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
   config: ModelConfig
   attention: str = "jax_fa3"
+  fp8_backward: str = "bf16"  # FP8 mode's backward (attention "jax_fa3_fp8")
 
   @nn.compact
   def __call__(self, tokens):
@@ -143,23 +159,24 @@ class GPT(nn.Module):
     positions = self.param("positions", nn.initializers.normal(0.02), (cfg.seqlen, cfg.width))
     x = embed(tokens) + positions[: tokens.shape[-1]].astype(cfg.dtype)
     for _ in range(cfg.depth):
-      x = Block(cfg, self.attention)(x)
+      x = Block(cfg, self.attention, self.fp8_backward)(x)
     x = nn.LayerNorm(dtype=cfg.dtype)(x)
     return embed.attend(x).astype(jnp.float32)  # tied output embedding
 
 
 # ----------------------------------------------------------------------------- training
 
-def loss_fn(params, model: GPT, batch):
-  logits = model.apply({"params": params}, batch[:, :-1])
+def loss_fn(params, model: GPT, batch, constants):
+  logits = model.apply({"params": params, **constants}, batch[:, :-1])
   return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
-def make_train_step(model: GPT, optimizer, parallel: str, devices):
-  """A step (params, opt_state, batch) -> (params, opt_state, loss) for the parallel mode."""
+def make_train_step(model: GPT, optimizer, parallel: str, devices, constants):
+  """A step (params, opt_state, batch) -> (params, opt_state, loss) for the parallel mode;
+  `constants`: the model's untrained variable collections (FP8 mode's rotation signs)."""
 
   def step(params, opt_state, batch, axis_name=None):
-    loss, grads = jax.value_and_grad(loss_fn)(params, model, batch)
+    loss, grads = jax.value_and_grad(loss_fn)(params, model, batch, constants)
     if axis_name is not None:  # average over the data-parallel shards
       loss, grads = jax.lax.pmean((loss, grads), axis_name)
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -227,13 +244,20 @@ def train(args, attention: str, init_params, corpus) -> dict:
   devices = jax.local_devices() if args.parallel != "none" else jax.local_devices()[:1]
   if args.batch % len(devices):
     raise ValueError(f"--batch {args.batch} must be divisible by the {len(devices)} devices")
-  model = GPT(config, attention)
+  model = GPT(config, attention, args.fp8_backward)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(
       optax.warmup_cosine_decay_schedule(0.0, args.lr, max(1, args.steps // 10), args.steps),
       weight_decay=0.1))
   params = place(jax.tree.map(jnp.array, init_params), args.parallel, devices)  # a fresh copy
   opt_state = place(optimizer.init(init_params), args.parallel, devices)
-  step = make_train_step(model, optimizer, args.parallel, devices)
+  # Untrained collections (FP8 mode's rotation signs) from the model's own init; the parameters
+  # are the shared init_params.
+  constants = {}
+  if attention == "jax_fa3_fp8":
+    variables = jax.jit(model.init)(jax.random.key(args.seed),
+                                    np.zeros((1, config.seqlen), np.int32))
+    constants = {name: tree for name, tree in variables.items() if name != "params"}
+  step = make_train_step(model, optimizer, args.parallel, devices, constants)
 
   losses, data = [], batches(corpus, args.batch, config.seqlen, args.seed)
   start = None
@@ -249,10 +273,12 @@ def train(args, attention: str, init_params, corpus) -> dict:
   elapsed = time.perf_counter() - start
   timed_tokens = (args.steps - 1) * args.batch * config.seqlen
   tokens_per_s = timed_tokens / elapsed if args.steps > 1 else float("nan")
-  print(f"{attention:8s} {args.parallel:9s} devices={len(devices)} final loss {losses[-1]:.4f} "
-        f"({tokens_per_s:,.0f} tokens/s after the first step)")
-  label = attention
-  if attention == "jax_fa3" and not jax_fa3.kernels_available():
+  tail = max(1, args.steps // 10)  # single-step losses are noisy: also the mean of the last 10%
+  print(f"{attention:8s} {args.parallel:9s} devices={len(devices)} final loss {losses[-1]:.4f}, "
+        f"mean of the last {tail} steps {np.mean(losses[-tail:]):.4f} ({tokens_per_s:,.0f} "
+        f"tokens/s after the first step)")
+  label = attention if attention != "jax_fa3_fp8" else f"{attention} ({args.fp8_backward} backward)"
+  if attention.startswith("jax_fa3") and not jax_fa3.kernels_available():
     label += " (pure-JAX path)"  # no Hopper kernels here: say so next to the numbers
   return dict(attention=attention, label=label, losses=losses, tokens_per_s=tokens_per_s)
 
@@ -284,11 +310,19 @@ def main(argv=None) -> list[dict]:
   # Both attention kinds share one parameter tree, so one init serves every run.
   init = jax.jit(GPT(config).init)
   init_params = init(jax.random.key(args.seed), np.zeros((1, config.seqlen), np.int32))["params"]
-  kinds = ("jax_fa3", "xla") if args.compare else (args.attention,)
+  kinds = (("jax_fa3", "xla") if args.compare else ("jax_fa3", "jax_fa3_fp8")
+           if args.compare_fp8 else (args.attention,))
   results = [train(args, kind, init_params, corpus) for kind in kinds]
-  if args.compare:
-    gap = np.max(np.abs(np.subtract(results[0]["losses"], results[1]["losses"])))
-    print(f"largest loss difference jax_fa3 vs xla over {args.steps} steps: {gap:.2e}")
+  if len(results) == 2:
+    a, b = results
+    gap = np.max(np.abs(np.subtract(a["losses"], b["losses"])))
+    print(f"largest loss difference {a['attention']} vs {b['attention']} over {args.steps} "
+          f"steps: {gap:.2e}")
+    # Single-step losses are noisy; the runs' end points are compared on the mean of the last 10%.
+    tail = max(1, args.steps // 10)
+    ends = [float(np.mean(r["losses"][-tail:])) for r in results]
+    print(f"mean loss of the last {tail} steps: {a['attention']} {ends[0]:.4f}, {b['attention']} "
+          f"{ends[1]:.4f} ({100 * (ends[1] / ends[0] - 1):+.2f}%)")
     plot_losses(results, args.plot)
   return results
 

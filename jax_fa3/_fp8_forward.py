@@ -111,33 +111,58 @@ def v_transposed_by_quantize(v, cfg: Fp8Config) -> bool:
           and _fp8_quantize.fused_quantize_supported(v, None))
 
 
-def _kernel_from_float(q, k, v, signs, cfg: Fp8Config):
+def dequantized(values, scales, cfg: Fp8Config, dtype):
+  """What the kernel multiplies for q or k: the e4m3 values times their block's scale, in the
+  inputs' dtype (the bf16 backward's operands, jax_fa3.fp8)."""
+  per_token = _fp8_quantize.per_token(scales, cfg.block_size, values.shape[1])
+  return (values.astype(jnp.float32) * per_token).astype(dtype)
+
+
+def _kernel_from_float(q, k, v, signs, cfg: Fp8Config, with_operands: bool):
   """The GPU branch: q, k quantized as everywhere, v centred straight into the kernel's layout."""
   q8, q_scale = _fp8_quantize.rotate_quantize(q, signs, cfg.incoherent, cfg.block_size)
   k8, k_scale = _fp8_quantize.rotate_quantize(k, signs, cfg.incoherent, cfg.block_size)
   vt, v_scale, v_mean = _fp8_quantize.centre_v_kernel_layout(v)
-  return kernel_forward(cfg, v_transposed=True)(q8, k8, vt, q_scale, k_scale, v_scale, v_mean)
+  out, lse = kernel_forward(cfg, v_transposed=True)(q8, k8, vt, q_scale, k_scale, v_scale, v_mean)
+  if not with_operands:
+    return out, lse
+  return (out, lse, dequantized(q8, q_scale, cfg, q.dtype), dequantized(k8, k_scale, cfg, k.dtype))
 
 
-def _float_path(q, k, v, signs, cfg: Fp8Config):
-  *quantized, v_mean = _fp8_quantize.rotate_and_quantize(q, k, v, signs, cfg.incoherent,
-                                                         cfg.block_size)
-  return fp8_forward(*quantized, cfg, v_mean=v_mean)
+def _float_path(q, k, v, signs, cfg: Fp8Config, with_operands: bool):
+  q8, k8, v8, q_scale, k_scale, v_scale, v_mean = _fp8_quantize.rotate_and_quantize(
+      q, k, v, signs, cfg.incoherent, cfg.block_size)
+  out, lse = fp8_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg, v_mean=v_mean)
+  if not with_operands:
+    return out, lse
+  return (out, lse, dequantized(q8, q_scale, cfg, q.dtype), dequantized(k8, k_scale, cfg, k.dtype))
 
 
-@functools.partial(jax.jit, static_argnums=(4,))
-def _kernel_from_float_jit(q, k, v, signs, cfg: Fp8Config):
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _kernel_from_float_jit(q, k, v, signs, cfg: Fp8Config, with_operands: bool):
   _ffi.ensure_registered()
+  options = dict(cfg=cfg, with_operands=with_operands)
   return lax.platform_dependent(q, k, v, signs,
-                                cuda=functools.partial(_kernel_from_float, cfg=cfg),
-                                default=functools.partial(_float_path, cfg=cfg))
+                                cuda=functools.partial(_kernel_from_float, **options),
+                                default=functools.partial(_float_path, **options))
+
+
+def _from_float(q, k, v, signs, cfg: Fp8Config, with_operands: bool):
+  if v_transposed_by_quantize(v, cfg):
+    results = _kernel_from_float_jit(q, k, v, signs, cfg, with_operands)
+  else:
+    results = _float_path(q, k, v, signs, cfg, with_operands)
+  out, lse, *operands = results
+  return (out.astype(q.dtype), lse, *operands)
 
 
 def forward_from_float_local(q, k, v, signs, cfg: Fp8Config):
   """(out in q's dtype, lse) of the call from floats on one device's blocks: the local body of
   the partitioned op `jax_fa3.fp8.FP8_FORWARD` (cfg arrives with return_lse off)."""
-  if v_transposed_by_quantize(v, cfg):
-    out, lse = _kernel_from_float_jit(q, k, v, signs, cfg)
-  else:
-    out, lse = _float_path(q, k, v, signs, cfg)
-  return out.astype(q.dtype), lse
+  return _from_float(q, k, v, signs, cfg, with_operands=False)
+
+
+def forward_from_float_with_operands_local(q, k, v, signs, cfg: Fp8Config):
+  """(out, lse, q_used, k_used): also the rotated q and k as the kernel saw them (dequantized, in
+  q's and k's dtype), which the bf16 backward differentiates at (`jax_fa3.fp8`)."""
+  return _from_float(q, k, v, signs, cfg, with_operands=True)

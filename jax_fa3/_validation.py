@@ -117,3 +117,12 @@ def attention_config(q, k, v, *, softmax_scale, causal, window_size, softcap,
       softmax_scale=check_softmax_scale(softmax_scale, q.shape[-1]),
       window_left=left, window_right=right, softcap=check_softcap(softcap),
       deterministic=bool(deterministic))
+
+
+FP8_BACKWARDS = ("bf16", "recompute")  # flash_attention_fp8(backward=...), see jax_fa3.fp8
+
+
+def check_fp8_backward(backward, name="backward") -> str:
+  if not isinstance(backward, str) or backward not in FP8_BACKWARDS:
+    raise ValueError(f"{name} must be one of {FP8_BACKWARDS}, got {backward!r}")
+  return backward

@@ -4,9 +4,11 @@
 The pieces below the API: `jax_fa3._fp8_quantize` (rotation and quantization passes, a fused CUDA
 pass on Hopper, XLA elsewhere), `jax_fa3._fp8_forward` (the kernel call, or its emulation off
 Hopper) and `jax_fa3._fp8_emulation` (the kernel's numerics, written out in pure JAX). The call
-from floats runs as one partitioned op (`jax_fa3._partitioning`). Gradients are straight-through:
-the backward recomputes the bf16/fp16/fp32 forward on the unquantized, unrotated inputs and runs
-its backward (`jax_fa3.attention`), so the gradient equals that of `flash_attention` there.
+from floats runs as one partitioned op (`jax_fa3._partitioning`). Gradients are straight-through
+through the quantization, by the bf16/fp16/fp32 backward kernel (`jax_fa3.attention`):
+`backward="bf16"` runs it at the rotated, quantized q and k from the fp8 forward's own output and
+log-sum-exp, `"recompute"` recomputes the unquantized forward first so that the gradient is
+exactly `flash_attention`'s.
 """
 from __future__ import annotations
 
@@ -17,12 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fa3 import _fp8_forward, _fp8_quantize, _partitioning, attention
+from jax_fa3 import _fp8_forward, _fp8_quantize, _local_attention, _partitioning, attention
 from jax_fa3._config import DEFAULT_BLOCK_SIZE, AttentionConfig, Fp8Config
 from jax_fa3._fp8_quantize import E4M3, FP8_INPUT_DTYPES
+from jax_fa3.hadamard import hadamard_transform
 from jax_fa3._validation import (attention_config, check_array, check_attention_dtypes,
-                                 check_attention_shapes, check_bool, check_softmax_scale,
-                                 check_window)
+                                 check_attention_shapes, check_bool, check_fp8_backward,
+                                 check_softmax_scale, check_window)
 
 DEFAULT_SEED = 0  # key=None means jax.random.PRNGKey(DEFAULT_SEED)
 
@@ -123,37 +126,90 @@ def dequantize_fp8(values, scales, *, block_size=DEFAULT_BLOCK_SIZE, dtype=jnp.f
 # is gathered (blocks of tokens share a scale, and v's scale spans the whole sequence).
 FP8_FORWARD = _partitioning.AttentionOp("flash_fwd_fp8", ("q", "kv", "kv", "vec"), ("q", "row"),
                                         _fp8_forward.forward_from_float_local, split_queries=False)
+# The same, also returning the rotated q and k as the kernel multiplied them (dequantized): the
+# operands of backward="bf16".
+FP8_FORWARD_WITH_OPERANDS = _partitioning.AttentionOp(
+    "flash_fwd_fp8_with_operands", ("q", "kv", "kv", "vec"), ("q", "row", "q", "kv"),
+    _fp8_forward.forward_from_float_with_operands_local, split_queries=False)
 
 
-def _fp8_from_float(q, k, v, signs, cfg: Fp8Config):
-  out, lse = _partitioning.call_partitioned(FP8_FORWARD, (q, k, v, signs),
-                                            dataclasses.replace(cfg, return_lse=False))
-  return out, lse
+def _fp8_from_float(q, k, v, signs, cfg: Fp8Config, with_operands=False):
+  op = FP8_FORWARD_WITH_OPERANDS if with_operands else FP8_FORWARD
+  return _partitioning.call_partitioned(op, (q, k, v, signs),
+                                        dataclasses.replace(cfg, return_lse=False))
 
 
 # ---------------------------------------------------------------------------------------------
 # Differentiation: straight-through to the unquantized attention
 # ---------------------------------------------------------------------------------------------
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fp8_attention(q, k, v, signs, cfg: Fp8Config):
+# "bf16": the bf16/fp16/fp32 backward kernel at the operands the fp8 kernel multiplied — q and k
+# rotated and quantized (dequantized to their dtype), v — started from the fp8 forward's out and lse;
+# the gradients of the rotated q and k are rotated back. The backward's P = exp(S - lse) then
+# rebuilds the forward's scores (up to the bf16 rounding of the operands and the fp8 accumulation),
+# so P sums to one as it did in the forward: the gradient of the computed function, up to the
+# quantization of P and v (straight through). At the unquantized q and k instead, the fp8 error of
+# the scores (~2^-4 relative) would enter P exponentially against the fp8 lse: a model whose
+# attention sharpens diverged that way (examples/train_gpt.py).
+# "recompute": the unquantized forward runs again first; the gradient is flash_attention's exactly.
+# (_validation.FP8_BACKWARDS)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fp8_attention(q, k, v, signs, cfg: Fp8Config, backward: str):
   return _fp8_from_float(q, k, v, signs, cfg)
 
 
-def _fp8_attention_fwd(q, k, v, signs, cfg):
-  return _fp8_from_float(q, k, v, signs, cfg), (q, k, v, signs)
+def _fp8_attention_fwd(q, k, v, signs, cfg, backward):
+  if backward == "recompute":
+    out, lse = _fp8_from_float(q, k, v, signs, cfg)
+    return (out, lse), (q, k, v, signs, None)
+  out, lse, q_used, k_used = _fp8_from_float(q, k, v, signs, cfg, with_operands=True)
+  return (out, lse), (q_used, k_used, v, signs, (out, lse))
 
 
-def _fp8_attention_bwd(cfg, residuals, cotangents):
-  q, k, v, signs = residuals
+def _rotate_back(x, signs, cfg: Fp8Config):
+  """The transpose of x -> H·diag(signs)·x (hadamard_transform): diag(signs)·H·x."""
+  if not cfg.incoherent:
+    return x
+  return (hadamard_transform(x).astype(jnp.float32) * signs).astype(x.dtype)
+
+
+def _backward_at_operands_local(q, k, v, out, lse, dout, signs, cfg: Fp8Config, dlse=None):
+  """backward="bf16" on one device's blocks: the bf16 backward at the rotated operands, the
+  gradients of q and k rotated back (the CUDA transform runs here, inside the partitioned op,
+  where it sees only this device's rows)."""
+  dq, dk, dv = _local_attention.backward_local(q, k, v, out, lse, dout, cfg.attention, dlse=dlse)
+  return _rotate_back(dq, signs, cfg), _rotate_back(dk, signs, cfg), dv
+
+
+def _backward_at_operands_dlse_local(q, k, v, out, lse, dout, dlse, signs, cfg: Fp8Config):
+  return _backward_at_operands_local(q, k, v, out, lse, dout, signs, cfg, dlse=dlse)
+
+
+# Like jax_fa3.attention's BACKWARD ops, with the rotation's signs; a sequence split is gathered,
+# as for the fp8 forward.
+FP8_BACKWARD = _partitioning.AttentionOp(
+    "flash_bwd_fp8_operands", ("q", "kv", "kv", "q", "row", "q", "vec"), ("q", "kv", "kv"),
+    _backward_at_operands_local, split_queries=False)
+FP8_BACKWARD_DLSE = _partitioning.AttentionOp(
+    "flash_bwd_fp8_operands_dlse", ("q", "kv", "kv", "q", "row", "q", "row", "vec"),
+    ("q", "kv", "kv"), _backward_at_operands_dlse_local, split_queries=False)
+
+
+def _fp8_attention_bwd(cfg, backward, residuals, cotangents):
+  q, k, v, signs, saved = residuals  # q, k: the rotated, quantized operands for "bf16"
   dout, dlse = cotangents
-  # The bf16 backward recomputes P = exp(S - lse) from the unquantized scores, so it needs the lse
-  # (and out, for D = rowsum(dO·O)) of the unquantized forward: the fp8 ones differ by the fp8
-  # error and would give a P that does not sum to one.
-  out, lse = attention.partitioned_forward(q, k, v, cfg.attention)
-  dq, dk, dv = attention.partitioned_backward(q, k, v, out, lse, dout.astype(q.dtype),
-                                              cfg.attention,
-                                              dlse=dlse if cfg.return_lse else None)
+  dout = dout.astype(q.dtype)
+  dlse = dlse if cfg.return_lse else None
+  if saved is None:
+    out, lse = attention.partitioned_forward(q, k, v, cfg.attention)
+    dq, dk, dv = attention.partitioned_backward(q, k, v, out, lse, dout, cfg.attention, dlse=dlse)
+  elif dlse is None:
+    dq, dk, dv = _partitioning.call_partitioned(FP8_BACKWARD, (q, k, v, *saved, dout, signs), cfg)
+  else:
+    dq, dk, dv = _partitioning.call_partitioned(FP8_BACKWARD_DLSE,
+                                                (q, k, v, *saved, dout, dlse, signs), cfg)
   return dq, dk, dv, jnp.zeros_like(signs)
 
 
@@ -192,7 +248,7 @@ def _check_signs(signs, d):
 
 def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                         incoherent=True, block_size=None, key=None, signs=None,
-                        return_lse=False, v_mean=None):
+                        return_lse=False, v_mean=None, backward="bf16"):
   """Attention with q, k, v quantized to FP8 (e4m3): FlashAttention-3's FP8 forward.
 
   q and k are rotated by the same random orthogonal matrix H·diag(signs) (incoherent processing,
@@ -229,19 +285,26 @@ def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_siz
       output row that sees a key. Centre v whose values share a sign: the fp8 tensor cores
       accumulate P·V with about 13 mantissa bits, so an uncentred V with a large mean comes out
       low at long sequences (docs/CONTRACTS.md). Arrays are centred by the call itself.
+    backward: how gradients are computed (arrays only; pairs are not differentiable), both by
+      the bf16/fp16/fp32 backward kernel of `flash_attention`:
+      "bf16" (default): the backward runs at the rotated, quantized q and k the fp8 kernel
+        multiplied (rotating their gradients back) and starts from this call's own output and
+        log-sum-exp, so a training step costs the fp8 forward plus one backward. It is the
+        gradient of the function computed, with the rounding of q, k, P and v passed straight
+        through; it differs from flash_attention's by about the output's fp8 error.
+      "recompute": the unquantized forward runs again first, and the gradient is exactly that of
+        `flash_attention(q, k, v)`, at the cost of a second (bf16) forward.
 
   Returns:
     out (batch, seqlen_q, heads, head_dim) in q's dtype (bfloat16 for pre-quantized inputs), or
     (out, lse) when return_lse.
-
-  Gradients are straight-through: the backward is that of `flash_attention` (bf16/fp16/fp32) at
-  the unquantized, unrotated inputs — it recomputes their forward, then runs its backward.
 
   Under a sharded jit (Auto or Explicit meshes) batch and head shards run locally and give the
   unsharded result bit for bit; a sequence split is gathered first (quantization blocks and v's
   per-head scale span the sequence). Inside shard_map / pmap it runs per device as is.
   """
   pairs = [_is_pair(x) for x in (q, k, v)]
+  backward = check_fp8_backward(backward)
   causal = check_bool("causal", causal)
   incoherent = check_bool("incoherent", incoherent)
   return_lse = check_bool("return_lse", return_lse)
@@ -266,7 +329,7 @@ def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_siz
     signs = _check_signs(signs, d) if signs is not None else _random_signs(key, d)
   else:
     signs = jnp.ones((d,), jnp.float32)  # unused
-  out, lse = _fp8_attention(q, k, v, signs, cfg)
+  out, lse = _fp8_attention(q, k, v, signs, cfg, backward)
   return (out, lse) if return_lse else out
 
 

@@ -24,7 +24,7 @@ def hadamard_block_size(d: int) -> int:
   return d & (-d)
 
 
-def _hadamard_reference(x, signs):
+def hadamard_reference(x, signs):
   d = x.shape[-1]
   p = hadamard_block_size(d)
   compute = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
@@ -86,10 +86,10 @@ def hadamard_transform(x, *, signs=None):
       raise ValueError(f"signs must have shape ({d},) to match the last axis of x, "
                        f"got {getattr(signs, 'shape', type(signs).__name__)}")
   if np.dtype(x.dtype) not in _KERNEL_DTYPES or d > MAX_KERNEL_DIM or not _ffi.kernels_available():
-    return _hadamard_reference(x, signs)
+    return hadamard_reference(x, signs)
   _ffi.ensure_registered()
   apply_signs = signs is not None
   signs32 = (jnp.asarray(signs, jnp.float32) if apply_signs else jnp.ones((d,), jnp.float32))
 
   return jax.lax.platform_dependent(x, signs32, cuda=_hadamard_kernel(apply_signs),
-                                    default=lambda x, s: _hadamard_reference(x, signs))
+                                    default=lambda x, s: hadamard_reference(x, signs))

@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from jax_fa3 import _fp8_quantize, fp8  # noqa: E402
-from jax_fa3.hadamard import _hadamard_reference  # noqa: E402
+from jax_fa3.hadamard import hadamard_reference  # noqa: E402
 from ffi_probe import ffi_error_message  # noqa: E402
 from kernel_targets import (ROTATE_QUANTIZE_FP8, describe, kernel_targets,  # noqa: E402
                             run_on_kernels)
@@ -48,7 +48,7 @@ def _pure_jax(x, signs, rotate, block_size, mean=None):
   with jax.default_device(cpu):
     x = jax.device_put(x, cpu).astype(jnp.float32)
     if rotate:
-      x = _hadamard_reference(x, jax.device_put(signs, cpu))
+      x = hadamard_reference(x, jax.device_put(signs, cpu))
     if mean is not None:
       x = x - jax.device_put(mean, cpu)[:, None]
     return _fp8_quantize.quantize_blocks(x, block_size)

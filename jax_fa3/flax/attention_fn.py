@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jax_fa3.attention import flash_attention
 from jax_fa3.fp8 import flash_attention_fp8
-from jax_fa3._validation import check_bool, check_softcap, check_window
+from jax_fa3._validation import check_bool, check_fp8_backward, check_softcap, check_window
 
 _PARTIAL_HINT = "functools.partial(jax_fa3.flax.dot_product_attention, causal=True)"
 
@@ -80,7 +80,8 @@ def dot_product_attention(
     # jax_fa3 options (bind them with functools.partial).
     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     softmax_scale: float | None = None, deterministic_backward: bool = False,
-    fp8: bool = False, incoherent: bool = True, block_size=None, signs=None, rotation_key=None):
+    fp8: bool = False, incoherent: bool = True, block_size=None, signs=None, rotation_key=None,
+    fp8_backward: str = "bf16"):
   """Flash attention with the call signature of Flax's `dot_product_attention`.
 
   Args:
@@ -105,8 +106,9 @@ def dot_product_attention(
     softmax_scale: defaults to 1/sqrt(head_dim), Flax's scale.
     deterministic_backward: bit-reproducible gradients (flash_attention's `deterministic`).
     fp8: run jax_fa3.flash_attention_fp8 (e4m3 forward, straight-through gradients).
-    incoherent, block_size, signs, rotation_key: flash_attention_fp8's incoherent, block_size,
-      signs and key; only with fp8=True.
+    incoherent, block_size, signs, rotation_key, fp8_backward: flash_attention_fp8's incoherent,
+      block_size, signs, key and backward ("bf16": from the fp8 forward's statistics, no second
+      forward; "recompute": flash_attention's exact gradient); only with fp8=True.
 
   Returns:
     (batch..., q_length, heads, head_dim) in the compute dtype.
@@ -124,9 +126,12 @@ def dot_product_attention(
           f"its own kernels. For low-precision attention use "
           f"functools.partial(jax_fa3.flax.dot_product_attention, fp8=True).")
   fp8 = check_bool("fp8", fp8)
+  fp8_backward = check_fp8_backward(fp8_backward, "fp8_backward")
   if not fp8:
     given = [n for n, v in (("block_size", block_size), ("signs", signs),
                             ("rotation_key", rotation_key)) if v is not None]
+    if fp8_backward != "bf16":
+      given.append("fp8_backward")
     if given:
       raise ValueError(f"{', '.join(given)} only apply with fp8=True")
   elif check_softcap(softcap) > 0.0 or deterministic_backward:
@@ -157,7 +162,7 @@ def dot_product_attention(
     out = flash_attention_fp8(
         q4, k4, v4, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         incoherent=check_bool("incoherent", incoherent), block_size=block_size, key=rotation_key,
-        signs=signs)
+        signs=signs, backward=fp8_backward)
   else:
     out = flash_attention(q4, k4, v4, softmax_scale=softmax_scale, causal=causal,
                           window_size=window_size, softcap=softcap,

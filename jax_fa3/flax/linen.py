@@ -43,6 +43,8 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     num_kv_heads: heads of the key/value projections (GQA); None: num_heads.
     fp8: attention through jax_fa3.flash_attention_fp8 with a Hadamard rotation whose random
       signs are drawn from the 'params' rng at init into variables['fp8_rotation']['signs'].
+    fp8_backward: with fp8, flash_attention_fp8's `backward`: "bf16" (default; from the fp8
+      forward's statistics, no second forward) or "recompute" (flash_attention's exact gradient).
 
   Masks, attention dropout, sow_weights, decode and a custom attention_fn are refused.
   """
@@ -53,6 +55,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
   softmax_scale: float | None = None
   num_kv_heads: int | None = None
   fp8: bool = False
+  fp8_backward: str = "bf16"
 
   def _check_supported(self, sow_weights: bool) -> None:
     if self.attention_fn is not _flax_default_attention:
@@ -112,7 +115,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     if self.fp8:
       signs = self.variable(ROTATION_COLLECTION, ROTATION_NAME,
                             lambda: random_rotation_signs(self.make_rng("params"), head_dim))
-      options.update(fp8=True, signs=signs.value)
+      options.update(fp8=True, signs=signs.value, fp8_backward=self.fp8_backward)
     x = dot_product_attention(query, key, value, mask=mask, dtype=self.dtype, **options)
 
     return nn.DenseGeneral(

@@ -12,7 +12,7 @@ import inspect
 import flax
 from flax import nnx
 
-from jax_fa3._validation import check_bool, check_softcap, check_window
+from jax_fa3._validation import check_bool, check_fp8_backward, check_softcap, check_window
 from jax_fa3.flax.attention_fn import dot_product_attention
 from jax_fa3.flax.rotation import random_rotation_signs
 
@@ -40,6 +40,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     fp8: attention through jax_fa3.flash_attention_fp8 with a Hadamard rotation whose random
       signs are drawn from `rngs.params()` at init and kept as an `Fp8RotationSigns` variable
       (in nnx.state, not an nnx.Param).
+    fp8_backward: with fp8, flash_attention_fp8's `backward`: "bf16" (default; from the fp8
+      forward's statistics, no second forward) or "recompute" (flash_attention's exact gradient).
 
   Masks, attention dropout, sow_weights and decode are refused (ValueError/NotImplementedError).
   """
@@ -48,7 +50,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
                out_features: int | None = None, num_kv_heads: int | None = None,
                in_kv_features: int | None = None, *, causal: bool = False,
                window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-               softmax_scale: float | None = None, fp8: bool = False, rngs: nnx.Rngs, **kwargs):
+               softmax_scale: float | None = None, fp8: bool = False,
+               fp8_backward: str = "bf16", rngs: nnx.Rngs, **kwargs):
     if "attention_fn" in kwargs:
       raise TypeError(
           "jax_fa3.flax.MultiHeadAttention always runs jax_fa3 attention; for another "
@@ -62,6 +65,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     self.softcap = check_softcap(softcap)
     self.softmax_scale = softmax_scale
     self.fp8 = check_bool("fp8", fp8)
+    self.fp8_backward = check_fp8_backward(fp8_backward, "fp8_backward")
     if not _FLAX_HAS_GQA:
       raise ImportError(f"jax_fa3.flax.MultiHeadAttention subclasses flax.nnx.MultiHeadAttention "
                         f"with num_kv_heads, which needs flax >= 0.12.6 (found {flax.__version__})")
@@ -79,7 +83,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     options = dict(causal=self.causal, window_size=self.window_size, softcap=self.softcap,
                    softmax_scale=self.softmax_scale)
     if self.fp8:
-      options.update(fp8=True, signs=self.rotation_signs[...])
+      options.update(fp8=True, signs=self.rotation_signs[...], fp8_backward=self.fp8_backward)
     return functools.partial(dot_product_attention, **options)
 
   @attention_fn.setter
