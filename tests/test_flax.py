@@ -192,30 +192,23 @@ def _fp8_linen():
   return x, fp8_layer, exact_layer, variables
 
 
-def test_fp8_linen_layer_close_to_exact_and_differentiable():
-  x, fp8_layer, exact_layer, variables = _fp8_linen()
+@pytest.mark.parametrize("fp8_backward", ["bf16", "recompute"])
+def test_fp8_linen_layer_close_to_exact_and_differentiable(fp8_backward):
+  x, _, exact_layer, variables = _fp8_linen()
+  layer = fx.linen.MultiHeadDotProductAttention(num_heads=2, causal=True, fp8=True,
+                                                fp8_backward=fp8_backward)
   cotangent = _normal(7, x.shape)
   out, grads = _value_and_grads(
-      lambda p, x: fp8_layer.apply({"params": p, **{fx.ROTATION_COLLECTION: variables[
+      lambda p, x: layer.apply({"params": p, **{fx.ROTATION_COLLECTION: variables[
           fx.ROTATION_COLLECTION]}}, x), variables["params"], x, cotangent)
   ref, ref_grads = _value_and_grads(lambda p, x: exact_layer.apply({"params": p}, x),
                                     variables["params"], x, cotangent)
   assert out.dtype == F32
   assert _rel(out, ref) < FP8_TOL
-  _assert_close_gradients(grads, ref_grads)
-
-
-def test_fp8_linen_layer_recompute_backward_is_straight_through():
-  x, _, exact_layer, variables = _fp8_linen()
-  layer = fx.linen.MultiHeadDotProductAttention(num_heads=2, causal=True, fp8=True,
-                                                fp8_backward="recompute")
-  cotangent = _normal(7, x.shape)
-  _, grads = _value_and_grads(
-      lambda p, x: layer.apply({"params": p, **{fx.ROTATION_COLLECTION: variables[
-          fx.ROTATION_COLLECTION]}}, x), variables["params"], x, cotangent)
-  _, ref_grads = _value_and_grads(lambda p, x: exact_layer.apply({"params": p}, x),
-                                  variables["params"], x, cotangent)
-  _assert_straight_through(grads, ref_grads, out_kernel_path="['out']['kernel']")
+  if fp8_backward == "bf16":
+    _assert_close_gradients(grads, ref_grads)
+  else:
+    _assert_straight_through(grads, ref_grads, out_kernel_path="['out']['kernel']")
 
 
 def _assert_close_gradients(grads, ref_grads):
