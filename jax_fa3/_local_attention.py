@@ -123,3 +123,31 @@ def backward_local(q, k, v, out, lse, dout, cfg: AttentionConfig, dlse=None):
   _ffi.check_kernel_sizes(q.shape, k.shape)
   return jax.lax.platform_dependent(q, k, v, out, lse, dout, cuda=_backward_kernel(cfg),
                                     default=ref)
+
+
+# Sequence lengths and segment ids (jax_fa3.flash_attention's padding arguments) run the pure-JAX
+# path for now: the kernels do not take them yet.
+_MASKS_REASON = ("sequence lengths and segment ids run the pure-JAX path (the kernels do not "
+                 "take them yet)")
+
+
+def _announce_masks():
+  if _ffi.kernels_available():
+    _ffi.announce_once(_MASKS_REASON, f"jax_fa3: {_MASKS_REASON}")
+
+
+def forward_local_masked(q, k, v, q_lengths, kv_lengths, q_segments, kv_segments,
+                         cfg: AttentionConfig):
+  """forward_local with padding masks (`jax_fa3._validation.padding_masks`)."""
+  _announce_masks()
+  masks = (q_lengths, kv_lengths, q_segments, kv_segments)
+  return reference.attention_forward(q, k, v, masks=masks, **cfg.kwargs())
+
+
+def backward_local_masked(q, k, v, out, lse, dout, q_lengths, kv_lengths, q_segments,
+                          kv_segments, cfg: AttentionConfig, dlse=None):
+  """backward_local with the forward's padding masks."""
+  _announce_masks()
+  masks = (q_lengths, kv_lengths, q_segments, kv_segments)
+  return reference.attention_backward(q, k, v, out, lse, dout, dlse=dlse, masks=masks,
+                                      **cfg.kwargs())

@@ -55,6 +55,9 @@ LAYOUTS = {
     "row": ("b", "h", "q"),       # (batch, heads, seqlen_q): lse, dlse
     "kvhead": ("b", "n"),         # (batch, heads_k): per-(batch, kv head) scales (fp8)
     "vec": ("d",),                # (head_dim,): the fp8 rotation's signs (replicated)
+    "lens": ("b",),               # (batch,): sequence lengths
+    "qseg": ("b", "q"),           # (batch, seqlen_q): query segment ids
+    "kseg": ("b", "k"),           # (batch, seqlen_k): key segment ids
 }
 
 

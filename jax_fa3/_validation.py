@@ -126,3 +126,54 @@ def check_fp8_backward(backward, name="backward") -> str:
   if not isinstance(backward, str) or backward not in FP8_BACKWARDS:
     raise ValueError(f"{name} must be one of {FP8_BACKWARDS}, got {backward!r}")
   return backward
+
+
+def _check_int_array(name: str, x: Any, shape: tuple, meaning: str) -> None:
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be a JAX or NumPy integer array {meaning}, got "
+                    f"{type(x).__name__}")
+  if not jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == np.dtype(bool):
+    raise TypeError(f"{name} must have an integer dtype (int32), got {x.dtype}")
+  if tuple(x.shape) != shape:
+    raise ValueError(f"{name} must have shape {shape} {meaning}, got {tuple(x.shape)}")
+
+
+def _concrete(x):
+  """x as a NumPy array when its values are known at trace time, else None (a tracer)."""
+  try:
+    return np.asarray(x)
+  except Exception:  # noqa: BLE001 (jax.errors.TracerArrayConversionError and kin)
+    return None
+
+
+def padding_masks(q, k, *, query_seq_lengths=None, key_value_seq_lengths=None,
+                  q_segment_ids=None, kv_segment_ids=None):
+  """Validates flash_attention's padding arguments; returns None when none is given, else the
+  int32 tuple (q_lengths (b,), kv_lengths (b,), q_segment_ids (b, s_q), kv_segment_ids (b, s_k))
+  with the missing pieces filled (full lengths, one segment). Lengths known at trace time must
+  lie in [0, seqlen]; traced ones are clamped there."""
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("give q_segment_ids and kv_segment_ids together (the same array twice for "
+                     "self-attention), or neither")
+  if all(x is None for x in (query_seq_lengths, key_value_seq_lengths, q_segment_ids)):
+    return None
+  b, s_q, s_k = q.shape[0], q.shape[1], k.shape[1]
+  lengths = []
+  for name, x, s in (("query_seq_lengths", query_seq_lengths, s_q),
+                     ("key_value_seq_lengths", key_value_seq_lengths, s_k)):
+    if x is None:
+      lengths.append(jnp.full((b,), s, jnp.int32))
+      continue
+    _check_int_array(name, x, (b,), "(batch,)")
+    values = _concrete(x)
+    if values is not None and (values.min() < 0 or values.max() > s):
+      raise ValueError(f"{name} must lie in [0, {s}] (the padded sequence length), got values "
+                       f"from {values.min()} to {values.max()}")
+    lengths.append(jnp.clip(jnp.asarray(x, jnp.int32), 0, s))
+  if q_segment_ids is None:
+    segments = [jnp.zeros((b, s_q), jnp.int32), jnp.zeros((b, s_k), jnp.int32)]
+  else:
+    _check_int_array("q_segment_ids", q_segment_ids, (b, s_q), "(batch, seqlen_q)")
+    _check_int_array("kv_segment_ids", kv_segment_ids, (b, s_k), "(batch, seqlen_k)")
+    segments = [jnp.asarray(q_segment_ids, jnp.int32), jnp.asarray(kv_segment_ids, jnp.int32)]
+  return (*lengths, *segments)

@@ -12,7 +12,7 @@ import jax
 
 from jax_fa3 import _local_attention, _partitioning, ring
 from jax_fa3._config import AttentionConfig
-from jax_fa3._validation import attention_config
+from jax_fa3._validation import attention_config, padding_masks
 
 
 def _local_backward_dlse(q, k, v, out, lse, dout, dlse, cfg):
@@ -40,6 +40,27 @@ BACKWARD = _partitioning.AttentionOp(
 BACKWARD_DLSE = _partitioning.AttentionOp(
     "flash_bwd_dlse", ("q", "kv", "kv", "q", "row", "q", "row"), ("q", "kv", "kv"),
     _local_backward_dlse, _ring_backward_dlse, ring.ring_unsupported_reason)
+
+
+# With padding masks (sequence lengths, segment ids): no ring body (a sequence split is gathered,
+# queries included: the masks depend on absolute positions).
+_MASKS = ("lens", "lens", "qseg", "kseg")
+FORWARD_MASKED = _partitioning.AttentionOp(
+    "flash_fwd_masked", ("q", "kv", "kv") + _MASKS, ("q", "row"),
+    _local_attention.forward_local_masked, split_queries=False)
+BACKWARD_MASKED = _partitioning.AttentionOp(
+    "flash_bwd_masked", ("q", "kv", "kv", "q", "row", "q") + _MASKS, ("q", "kv", "kv"),
+    _local_attention.backward_local_masked, split_queries=False)
+
+
+def _local_backward_masked_dlse(q, k, v, out, lse, dout, dlse, *masks_and_cfg):
+  *masks, cfg = masks_and_cfg
+  return _local_attention.backward_local_masked(q, k, v, out, lse, dout, *masks, cfg, dlse=dlse)
+
+
+BACKWARD_MASKED_DLSE = _partitioning.AttentionOp(
+    "flash_bwd_masked_dlse", ("q", "kv", "kv", "q", "row", "q", "row") + _MASKS, ("q", "kv", "kv"),
+    _local_backward_masked_dlse, split_queries=False)
 
 
 def partitioned_forward(q, k, v, cfg: AttentionConfig):
@@ -91,8 +112,35 @@ def _attention_with_lse_bwd(cfg, residuals, cotangents):
 _attention_with_lse.defvjp(_attention_with_lse_fwd, _attention_with_lse_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _masked_attention(q, k, v, masks, cfg: AttentionConfig, with_lse: bool):
+  out, lse = _partitioning.call_partitioned(FORWARD_MASKED, (q, k, v, *masks), cfg)
+  return (out, lse) if with_lse else out
+
+
+def _masked_attention_fwd(q, k, v, masks, cfg, with_lse):
+  out, lse = _partitioning.call_partitioned(FORWARD_MASKED, (q, k, v, *masks), cfg)
+  return ((out, lse) if with_lse else out), (q, k, v, masks, out, lse)
+
+
+def _masked_attention_bwd(cfg, with_lse, residuals, cotangents):
+  q, k, v, masks, out, lse = residuals
+  if with_lse:
+    dout, dlse = cotangents
+    grads = _partitioning.call_partitioned(BACKWARD_MASKED_DLSE,
+                                           (q, k, v, out, lse, dout, dlse, *masks), cfg)
+  else:
+    grads = _partitioning.call_partitioned(BACKWARD_MASKED, (q, k, v, out, lse, cotangents,
+                                                             *masks), cfg)
+  return (*grads, (None,) * len(masks))  # integer masks: no cotangent
+
+
+_masked_attention.defvjp(_masked_attention_fwd, _masked_attention_bwd)
+
+
 def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    softcap=0.0, return_lse=False, deterministic=False):
+                    softcap=0.0, return_lse=False, deterministic=False, query_seq_lengths=None,
+                    key_value_seq_lengths=None, q_segment_ids=None, kv_segment_ids=None):
   """Scaled dot-product attention with FlashAttention-3 semantics.
 
   Args:
@@ -106,12 +154,28 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     return_lse: also return the natural-log log-sum-exp, float32 (batch, heads, seqlen_q);
       rows that see no key get out 0 and lse +inf.
     deterministic: make the backward bit-reproducible (fixed accumulation order).
+    query_seq_lengths, key_value_seq_lengths: optional int32 (batch,) arrays, as in
+      `jax.nn.dot_product_attention`: positions at or past a row's length are padding. Padded
+      queries see nothing (out 0, lse +inf, zero gradient) and padded keys are seen by nobody
+      (zero gradient). Lengths must lie in [0, seqlen]; under jit, where they are not known,
+      they are clamped to it. Causal and window alignment use the arrays' seqlens, not these.
+    q_segment_ids, kv_segment_ids: optional int32 (batch, seqlen_q) / (batch, seqlen_k) arrays,
+      given together (the same array twice for self-attention on packed rows): query i sees key
+      j only when their ids are equal, on top of causal / window / lengths.
+      With any of these four, the call runs the pure-JAX path for now, on every platform (the
+      kernels do not take them yet; announced once on the `jax_fa3` logger); ring attention
+      gathers a split sequence.
 
   Returns:
     out with q's shape and dtype, or (out, lse) when return_lse.
   """
   cfg = attention_config(q, k, v, softmax_scale=softmax_scale, causal=causal,
                          window_size=window_size, softcap=softcap, deterministic=deterministic)
+  masks = padding_masks(q, k, query_seq_lengths=query_seq_lengths,
+                        key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
+                        kv_segment_ids=kv_segment_ids)
+  if masks is not None:
+    return _masked_attention(q, k, v, masks, cfg, bool(return_lse))
   if return_lse:
     return _attention_with_lse(q, k, v, cfg)
   return _attention(q, k, v, cfg)

@@ -135,8 +135,9 @@ class _Problem:
         self.softcap = float(softcap)
         self.compute_dtype = compute_dtype
 
-    def visible(self, q_block_index, k_block_index):
-        """(block_q, block_k) bool: which (query, key) pairs of these two blocks may interact."""
+    def visible(self, q_block_index, k_block_index, q_tags=None, k_tags=None):
+        """Which (query, key) pairs of these two blocks may interact: (block_q, block_k) bool, or
+        (b, 1, 1, block_q, block_k) given per-batch tags (see `_block_tags`)."""
         query = q_block_index * self.block_q + jnp.arange(self.block_q)[:, None]
         key = k_block_index * self.block_k + jnp.arange(self.block_k)[None, :]
         diagonal = query + (self.s_k - self.s_q)  # bottom-right alignment
@@ -145,7 +146,14 @@ class _Problem:
             visible &= key >= diagonal - self.window_left
         if self.window_right >= 0:
             visible &= key <= diagonal + self.window_right
-        return visible
+        if q_tags is None:
+            return visible
+        (q_length, q_segment), (k_length, k_segment) = q_tags, k_tags
+        # Positions past a row's length are padding: they neither see nor are seen.
+        visible = (visible[None] & (query[None] < q_length[:, None, None])
+                   & (key[None] < k_length[:, None, None])
+                   & (q_segment[:, :, None] == k_segment[:, None, :]))
+        return visible[:, None, None]
 
     def scores(self, q_block, k_block):
         """Soft-capped scores (b, h_k, group, block_q, block_k) and tanh(raw / softcap) or None."""
@@ -158,25 +166,43 @@ class _Problem:
             return self.softcap * tanh, tanh
         return raw, None
 
-    def masked_scores(self, q_block, k_block, q_block_index, k_block_index):
+    def masked_scores(self, q_block, k_block, q_block_index, k_block_index, q_tags=None,
+                      k_tags=None):
         scores, tanh = self.scores(q_block, k_block)
-        visible = self.visible(q_block_index, k_block_index)
+        visible = self.visible(q_block_index, k_block_index, q_tags, k_tags)
         return jnp.where(visible, scores, -jnp.inf), tanh
+
+
+def _block_tags(masks, s_q, s_k, block_q, block_k):
+    """Per-batch masking inputs split into blocks: (q_tags, k_tags), each (lengths broadcast to
+    (n_blocks, b), segment ids (n_blocks, b, block)), scanned along with their blocks; or
+    (None, None) without masks. masks = (q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)."""
+    if masks is None:
+        return None, None
+    q_length, k_length, q_segment, k_segment = masks
+
+    def tags(length, segment, seqlen, block):
+        n = _num_blocks(seqlen, block)
+        blocked = _pad_axis(segment, 1, n * block).reshape(segment.shape[0], n, block)
+        return jnp.broadcast_to(length, (n,) + length.shape), jnp.swapaxes(blocked, 0, 1)
+
+    return tags(q_length, q_segment, s_q, block_q), tags(k_length, k_segment, s_k, block_k)
 
 
 # ---------------------------------------------------------------------------------------------
 # Forward
 # ---------------------------------------------------------------------------------------------
 
-def _forward_query_block(problem, k_blocks, v_blocks, q_block, q_block_index):
+def _forward_query_block(problem, k_blocks, v_blocks, k_tags, q_block, q_block_index, q_tags):
     """Online softmax of one query block over all key blocks -> (out block, lse block)."""
     b, h_k, group, block_q, d = q_block.shape
     dtype = problem.compute_dtype
 
     def step(carry, key_block_inputs):
         row_max, row_sum, acc = carry  # (b, h_k, group, block_q) x2 and (..., d)
-        k_block, v_block, k_block_index = key_block_inputs
-        scores, _ = problem.masked_scores(q_block, k_block, q_block_index, k_block_index)
+        k_block, v_block, k_block_index, k_block_tags = key_block_inputs
+        scores, _ = problem.masked_scores(q_block, k_block, q_block_index, k_block_index,
+                                          q_tags, k_block_tags)
         new_max = jnp.maximum(row_max, scores.max(axis=-1))
         # While a row has seen nothing, its max is -inf; shift by 0 instead so that
         # exp(-inf - shift) = 0 rather than exp(-inf + inf) = NaN.
@@ -193,7 +219,8 @@ def _forward_query_block(problem, k_blocks, v_blocks, q_block, q_block_index):
     init = (_filled(stats_shape, -jnp.inf, dtype, like), _filled(stats_shape, 0, dtype, like),
             _filled(stats_shape + (d,), 0, dtype, like))
     k_block_indices = jnp.arange(k_blocks.shape[0])
-    (row_max, row_sum, acc), _ = lax.scan(step, init, (k_blocks, v_blocks, k_block_indices))
+    (row_max, row_sum, acc), _ = lax.scan(step, init,
+                                          (k_blocks, v_blocks, k_block_indices, k_tags))
 
     empty_row = row_sum == 0  # no visible key (every probability underflowing is impossible:
     #                            the max itself contributes exp(0) = 1)
@@ -204,13 +231,17 @@ def _forward_query_block(problem, k_blocks, v_blocks, q_block, q_block_index):
 
 
 def attention_forward(q, k, v, *, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
-                      block_q=None, block_k=None):
+                      block_q=None, block_k=None, masks=None):
     """Blocked attention forward.
 
     Args:
       q: (b, s_q, h, d); k, v: (b, s_k, h_k, d) with h % h_k == 0, all of one dtype.
       softmax_scale, window_left, window_right, softcap: see docs/CONTRACTS.md.
       block_q, block_k: block sizes (default: 512, or the sequence length when shorter).
+      masks: optional (q_lengths (b,), kv_lengths (b,), q_segment_ids (b, s_q),
+        kv_segment_ids (b, s_k)), integers: query i of batch row r sees key j only if
+        i < q_lengths[r], j < kv_lengths[r] and their segment ids are equal (and the window
+        allows it); rows that see nothing give out 0 and lse +inf.
 
     Returns:
       out (b, s_q, h, d) in q's dtype, and lse (b, h, s_q): float32, or float64 for float64 inputs
@@ -226,10 +257,11 @@ def attention_forward(q, k, v, *, softmax_scale, window_left=-1, window_right=-1
     k_blocks = _block_keys(k, problem.block_k)
     v_blocks = _block_keys(v, problem.block_k)
     q_block_indices = jnp.arange(q_blocks.shape[0])
+    q_tags, k_tags = _block_tags(masks, s_q, problem.s_k, problem.block_q, problem.block_k)
 
-    per_query_block = functools.partial(_forward_query_block, problem, k_blocks, v_blocks)
+    per_query_block = functools.partial(_forward_query_block, problem, k_blocks, v_blocks, k_tags)
     out_blocks, lse_blocks = lax.map(lambda args: per_query_block(*args),
-                                     (q_blocks, q_block_indices))
+                                     (q_blocks, q_block_indices, q_tags))
     out = _unblock_queries(out_blocks, s_q).astype(q.dtype)
     lse = _unblock_row_stats(lse_blocks, s_q)
     return out, lse
@@ -239,10 +271,10 @@ def attention_forward(q, k, v, *, softmax_scale, window_left=-1, window_right=-1
 # Backward
 # ---------------------------------------------------------------------------------------------
 
-def _backward_key_block(problem, query_side, k_block, v_block, k_block_index):
+def _backward_key_block(problem, query_side, k_block, v_block, k_block_index, k_tags):
     """Gradients for one key/value block: (dk block, dv block, dq contributions of all q blocks).
 
-    query_side = (q_blocks, dout_blocks, lse_blocks, delta_blocks) in blocked layouts.
+    query_side = (q_blocks, dout_blocks, lse_blocks, delta_blocks, q_tags) in blocked layouts.
     """
     dtype = problem.compute_dtype
     k_block = k_block.astype(dtype)
@@ -250,10 +282,11 @@ def _backward_key_block(problem, query_side, k_block, v_block, k_block_index):
 
     def step(carry, query_block_inputs):
         dk_acc, dv_acc = carry  # (b, h_k, block_k, d) each
-        q_block, dout_block, lse_block, delta_block, q_block_index = query_block_inputs
+        q_block, dout_block, lse_block, delta_block, q_tags, q_block_index = query_block_inputs
         q_block = q_block.astype(dtype)
         dout_block = dout_block.astype(dtype)
-        scores, tanh = problem.masked_scores(q_block, k_block, q_block_index, k_block_index)
+        scores, tanh = problem.masked_scores(q_block, k_block, q_block_index, k_block_index,
+                                             q_tags, k_tags)
         # lse = +inf on empty rows and scores = -inf where masked: both make P exactly 0.
         probs = jnp.exp(scores - lse_block[..., None])
         dv_acc = dv_acc + jnp.einsum("bhgqk,bhgqd->bhkd", probs, dout_block, precision=_HIGHEST)
@@ -266,7 +299,7 @@ def _backward_key_block(problem, query_side, k_block, v_block, k_block_index):
         dk_acc = dk_acc + jnp.einsum("bhgqk,bhgqd->bhkd", dscores, q_block, precision=_HIGHEST)
         return (dk_acc, dv_acc), dq_block
 
-    zeros = _filled(k_block.shape, 0, dtype, (k_block, v_block, *query_side))
+    zeros = _filled(k_block.shape, 0, dtype, (k_block, v_block, *query_side[:4]))
     q_block_indices = jnp.arange(query_side[0].shape[0])
     (dk_block, dv_block), dq_parts = lax.scan(step, (zeros, zeros),
                                              (*query_side, q_block_indices))
@@ -274,7 +307,8 @@ def _backward_key_block(problem, query_side, k_block, v_block, k_block_index):
 
 
 def attention_backward(q, k, v, out, lse, dout, *, softmax_scale, window_left=-1,
-                       window_right=-1, softcap=0.0, block_q=None, block_k=None, dlse=None):
+                       window_right=-1, softcap=0.0, block_q=None, block_k=None, dlse=None,
+                       masks=None):
     """Blocked attention backward (FlashAttention-2 style, recomputing P from the LSE).
 
     Args:
@@ -284,6 +318,7 @@ def attention_backward(q, k, v, out, lse, dout, *, softmax_scale, window_left=-1
       dout: (b, s_q, h, d), the cotangent of out.
       dlse: optional (b, h, s_q), the cotangent of a returned lse; since d lse_i / d s_ij = P_ij it
         enters as dS = P ∘ (dP − D + dlse), i.e. D − dlse in place of D.
+      masks: as for attention_forward (the same masks as the forward's).
 
     Returns:
       dq (b, s_q, h, d), dk and dv (b, s_k, h_k, d), in the inputs' dtype; dk and dv are summed over
@@ -301,11 +336,12 @@ def attention_backward(q, k, v, out, lse, dout, *, softmax_scale, window_left=-1
                        precision=_HIGHEST)
     if dlse is not None:
       delta = delta - dlse.astype(dtype)
+    q_tags, k_tags = _block_tags(masks, s_q, s_k, problem.block_q, problem.block_k)
     # Padded query rows get lse = +inf (so P = 0 there) and dout = 0.
     query_side = (_block_queries(q, problem.block_q, h_k),
                   _block_queries(dout, problem.block_q, h_k),
                   _block_row_stats(lse.astype(dtype), problem.block_q, h_k, jnp.inf),
-                  _block_row_stats(delta, problem.block_q, h_k, 0.0))
+                  _block_row_stats(delta, problem.block_q, h_k, 0.0), q_tags)
     k_blocks = _block_keys(k, problem.block_k)
     v_blocks = _block_keys(v, problem.block_k)
 
@@ -313,10 +349,10 @@ def attention_backward(q, k, v, out, lse, dout, *, softmax_scale, window_left=-1
         dk_block, dv_block, dq_parts = _backward_key_block(problem, query_side, *key_block_inputs)
         return dq_acc + dq_parts, (dk_block, dv_block)
 
-    dq_init = _filled(query_side[0].shape, 0, dtype, (*query_side, k_blocks, v_blocks))
+    dq_init = _filled(query_side[0].shape, 0, dtype, (*query_side[:4], k_blocks, v_blocks))
     k_block_indices = jnp.arange(k_blocks.shape[0])
     dq_blocks, (dk_blocks, dv_blocks) = lax.scan(step, dq_init,
-                                                 (k_blocks, v_blocks, k_block_indices))
+                                                 (k_blocks, v_blocks, k_block_indices, k_tags))
     dq = _unblock_queries(dq_blocks, s_q).astype(q.dtype)
     dk = _unblock_keys(dk_blocks, s_k).astype(k.dtype)
     dv = _unblock_keys(dv_blocks, s_k).astype(v.dtype)

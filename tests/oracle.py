@@ -8,7 +8,9 @@ are exactly those of docs/CONTRACTS.md:
 - scores s = softmax_scale * q.k, soft-capped as softcap * tanh(s / softcap) when softcap > 0;
 - query i sees key j iff i + s_k - s_q - window_left <= j <= i + s_k - s_q + window_right
   (bottom-right alignment, -1 meaning unbounded; causal is window_right = 0);
-- a row that sees no key has output 0 and LSE +inf.
+- a row that sees no key has output 0 and LSE +inf;
+- `mask` (b, s_q, s_k) bool, optional: further pairs made invisible per batch row (sequence
+  lengths, segment ids: `padding_mask`).
 """
 
 import numpy as np
@@ -49,12 +51,31 @@ def _scores(q, k, softmax_scale, softcap):
     return raw, None
 
 
-def _probabilities(q, k, softmax_scale, window_left, window_right, softcap):
+def padding_mask(s_q, s_k, q_lengths=None, kv_lengths=None, q_segment_ids=None,
+                 kv_segment_ids=None):
+    """(b, s_q, s_k) bool: query i of row r may see key j of row r only if i < q_lengths[r],
+    j < kv_lengths[r] and q_segment_ids[r, i] == kv_segment_ids[r, j] (each given piece)."""
+    given = [x for x in (q_lengths, kv_lengths, q_segment_ids, kv_segment_ids) if x is not None]
+    b = np.asarray(given[0]).shape[0]
+    mask = np.ones((b, s_q, s_k), dtype=bool)
+    if q_lengths is not None:
+        mask &= (np.arange(s_q)[None, :] < np.asarray(q_lengths)[:, None])[:, :, None]
+    if kv_lengths is not None:
+        mask &= (np.arange(s_k)[None, :] < np.asarray(kv_lengths)[:, None])[:, None, :]
+    if q_segment_ids is not None:
+        mask &= np.asarray(q_segment_ids)[:, :, None] == np.asarray(kv_segment_ids)[:, None, :]
+    return mask
+
+
+def _probabilities(q, k, softmax_scale, window_left, window_right, softcap, mask=None):
     """(P, lse, tanh): P (b, h, s_q, s_k) with zero rows where nothing is visible, lse (b, h, s_q)."""
     s_q, s_k = q.shape[1], k.shape[1]
     scores, tanh = _scores(q, k, softmax_scale, softcap)
+    visible = visibility_mask(s_q, s_k, window_left, window_right)
+    if mask is not None:
+        visible = visible[None, None] & np.asarray(mask, dtype=bool)[:, None]
     # In-place passes from here on: at s = 4096 each full-size temporary costs ~0.3 s.
-    probs = np.where(visibility_mask(s_q, s_k, window_left, window_right), scores, -np.inf)
+    probs = np.where(visible, scores, -np.inf)
     row_max = probs.max(axis=-1, keepdims=True)
     empty_row = np.isneginf(row_max)
     np.subtract(probs, np.where(empty_row, 0.0, row_max), out=probs)  # -inf stays -inf
@@ -70,18 +91,19 @@ def _as_float64(*arrays):
     return [np.asarray(a, dtype=np.float64) for a in arrays]
 
 
-def attention_oracle(q, k, v, *, softmax_scale, window_left=-1, window_right=-1, softcap=0.0):
+def attention_oracle(q, k, v, *, softmax_scale, window_left=-1, window_right=-1, softcap=0.0,
+                     mask=None):
     """Dense float64 attention. Returns out (b, s_q, h, d) and lse (b, h, s_q), both float64."""
     q, k, v = _as_float64(q, k, v)
     h = q.shape[2]
     k, v = _expand_kv_heads(k, h), _expand_kv_heads(v, h)
-    probs, lse, _ = _probabilities(q, k, softmax_scale, window_left, window_right, softcap)
+    probs, lse, _ = _probabilities(q, k, softmax_scale, window_left, window_right, softcap, mask)
     out = np.einsum("bhqk,bkhd->bqhd", probs, v, optimize=True)
     return out, lse
 
 
 def attention_oracle_grads(q, k, v, dout, *, softmax_scale, window_left=-1, window_right=-1,
-                           softcap=0.0):
+                           softcap=0.0, mask=None):
     """Analytic float64 gradients of sum(out * dout) with respect to q, k and v.
 
     Written from the softmax Jacobian directly (not the FlashAttention identity D = rowsum(dO*O)),
@@ -90,7 +112,8 @@ def attention_oracle_grads(q, k, v, dout, *, softmax_scale, window_left=-1, wind
     q, k, v, dout = _as_float64(q, k, v, dout)
     h, h_k = q.shape[2], k.shape[2]
     k_full, v_full = _expand_kv_heads(k, h), _expand_kv_heads(v, h)
-    probs, _, tanh = _probabilities(q, k_full, softmax_scale, window_left, window_right, softcap)
+    probs, _, tanh = _probabilities(q, k_full, softmax_scale, window_left, window_right, softcap,
+                                    mask)
 
     dv_full = np.einsum("bhqk,bqhd->bkhd", probs, dout, optimize=True)
     dprobs = np.einsum("bqhd,bkhd->bhqk", dout, v_full, optimize=True)

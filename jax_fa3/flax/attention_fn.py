@@ -48,11 +48,13 @@ def _check_unsupported_arrays(bias, mask) -> None:
         "arbitrary bias use flax's default dot_product_attention.")
   if mask is not None:
     raise ValueError(
-        "jax_fa3 attention takes no mask array (also what decode=True and sequence padding "
-        "produce): express causal or sliding-window masks as keywords, e.g. " + _PARTIAL_HINT +
-        " or window_size=(left, right) (FlashAttention's bottom-right alignment), or layer "
-        "options causal=/window_size=. For an arbitrary mask use flax's default "
-        "dot_product_attention.")
+        "jax_fa3 attention takes no mask array (also what decode=True produces): express causal "
+        "or sliding-window masks as keywords, e.g. " + _PARTIAL_HINT + " or "
+        "window_size=(left, right) (FlashAttention's bottom-right alignment), or layer options "
+        "causal=/window_size=; padded or packed rows as query_seq_lengths= / "
+        "key_value_seq_lengths= (int32 (batch,)) or q_segment_ids= / kv_segment_ids= (int32 "
+        "(batch, length)), keywords of this function and of the linen layer's call. For an "
+        "arbitrary mask use flax's default dot_product_attention.")
 
 
 def _promote(query, key, value, dtype, promote_dtype: Callable | None):
@@ -81,7 +83,9 @@ def dot_product_attention(
     causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     softmax_scale: float | None = None, deterministic_backward: bool = False,
     fp8: bool = False, incoherent: bool = True, block_size=None, signs=None, rotation_key=None,
-    fp8_backward: str = "bf16"):
+    fp8_backward: str = "bf16",
+    # Padding (flash_attention's keywords), per call.
+    query_seq_lengths=None, key_value_seq_lengths=None, q_segment_ids=None, kv_segment_ids=None):
   """Flash attention with the call signature of Flax's `dot_product_attention`.
 
   Args:
@@ -109,6 +113,9 @@ def dot_product_attention(
     incoherent, block_size, signs, rotation_key, fp8_backward: flash_attention_fp8's incoherent,
       block_size, signs, key and backward ("bf16": from the fp8 forward's statistics, no second
       forward; "recompute": flash_attention's exact gradient); only with fp8=True.
+    query_seq_lengths, key_value_seq_lengths: int32 (batch...) valid lengths; q_segment_ids,
+      kv_segment_ids: int32 (batch..., length) segment ids (given together): see
+      jax_fa3.flash_attention. Not with fp8=True.
 
   Returns:
     (batch..., q_length, heads, head_dim) in the compute dtype.
@@ -158,6 +165,13 @@ def dot_product_attention(
   window_size = check_window(window_size)
 
   q4, k4, v4 = (_to_rank4(x, batch_shape) for x in (query, key, value))
+  padding = _flat_padding(batch_shape, query.shape[-3], key.shape[-3],
+                          query_seq_lengths=query_seq_lengths,
+                          key_value_seq_lengths=key_value_seq_lengths,
+                          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  if fp8 and padding:
+    raise ValueError(f"fp8=True takes no {', '.join(padding)} (the fp8 kernel has no padding "
+                     f"masks); use the bf16 attention for padded or packed rows")
   if fp8:
     out = flash_attention_fp8(
         q4, k4, v4, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
@@ -166,5 +180,23 @@ def dot_product_attention(
   else:
     out = flash_attention(q4, k4, v4, softmax_scale=softmax_scale, causal=causal,
                           window_size=window_size, softcap=softcap,
-                          deterministic=deterministic_backward)
+                          deterministic=deterministic_backward, **padding)
   return jnp.reshape(out, query.shape)
+
+
+def _flat_padding(batch_shape, q_length, kv_length, **padding) -> dict:
+  """The given padding arrays with their batch dims flattened like q, k, v (checked here: a
+  mis-shaped one cannot be reshaped)."""
+  flat = {}
+  for name, x in padding.items():
+    if x is None:
+      continue
+    per_row = {"query_seq_lengths": (), "key_value_seq_lengths": (),
+               "q_segment_ids": (q_length,), "kv_segment_ids": (kv_length,)}[name]
+    expected = tuple(batch_shape) + per_row
+    if tuple(getattr(x, "shape", ())) != expected:
+      raise ValueError(f"{name} must have shape {expected} (the batch dims of query"
+                       f"{', then its length' if per_row else ''}), got "
+                       f"{getattr(x, 'shape', type(x).__name__)}")
+    flat[name] = jnp.reshape(x, (math.prod(batch_shape),) + per_row)
+  return flat

@@ -46,7 +46,9 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     fp8_backward: with fp8, flash_attention_fp8's `backward`: "bf16" (default; from the fp8
       forward's statistics, no second forward) or "recompute" (flash_attention's exact gradient).
 
-  Masks, attention dropout, sow_weights, decode and a custom attention_fn are refused.
+  Mask arrays (padded or packed rows take the call's query_seq_lengths / key_value_seq_lengths /
+  q_segment_ids / kv_segment_ids instead), attention dropout, sow_weights, decode and a custom
+  attention_fn are refused.
   """
 
   causal: bool = False
@@ -76,8 +78,14 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
 
   @nn.compact
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, inputs_kv=None, mask=None,
-               deterministic: bool | None = None, dropout_rng=None, sow_weights: bool = False):
-    """Flax's call: (batch..., length, features) in, (batch..., length, out_features) out."""
+               deterministic: bool | None = None, dropout_rng=None, sow_weights: bool = False,
+               query_seq_lengths=None, key_value_seq_lengths=None, q_segment_ids=None,
+               kv_segment_ids=None):
+    """Flax's call: (batch..., length, features) in, (batch..., length, out_features) out.
+
+    Padded or packed rows: query_seq_lengths / key_value_seq_lengths (int32 (batch...)) and
+    q_segment_ids / kv_segment_ids (int32 (batch..., length)), as for jax_fa3.flash_attention.
+    """
     self._check_supported(sow_weights)
     inputs_k, inputs_v = _resolve_inputs(inputs_q, inputs_k, inputs_v, inputs_kv)
     features = self.out_features or inputs_q.shape[-1]
@@ -116,7 +124,11 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       signs = self.variable(ROTATION_COLLECTION, ROTATION_NAME,
                             lambda: random_rotation_signs(self.make_rng("params"), head_dim))
       options.update(fp8=True, signs=signs.value, fp8_backward=self.fp8_backward)
-    x = dot_product_attention(query, key, value, mask=mask, dtype=self.dtype, **options)
+    x = dot_product_attention(query, key, value, mask=mask, dtype=self.dtype,
+                              query_seq_lengths=query_seq_lengths,
+                              key_value_seq_lengths=key_value_seq_lengths,
+                              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                              **options)
 
     return nn.DenseGeneral(
         features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
