@@ -191,6 +191,24 @@ def test_linen_layer_packed_rows_equal_separate_rows():
                              rtol=1e-5, atol=1e-5)
 
 
+def test_nnx_layer_packed_rows_equal_separate_rows():
+  from flax import nnx  # noqa: PLC0415
+  rng = np.random.default_rng(11)
+  x = jnp.asarray(rng.standard_normal((1, 24, 32)), jnp.float32)
+  model = fx.MultiHeadAttention(2, 32, causal=True, decode=False, rngs=nnx.Rngs(0))
+  segments = jnp.asarray([[0] * 10 + [1] * 14], jnp.int32)
+  call = nnx.jit(lambda m, x, s: m(x, q_segment_ids=s, kv_segment_ids=s))
+  packed = call(model, x, segments)
+  first, second = model(x[:, :10]), model(x[:, 10:])
+  np.testing.assert_allclose(np.asarray(packed),
+                             np.asarray(jnp.concatenate([first, second], axis=1)),
+                             rtol=1e-5, atol=1e-5)
+  # The padding belongs to that call only.
+  np.testing.assert_allclose(np.asarray(model(x)), np.asarray(nnx.jit(lambda m, x: m(x))(model, x)),
+                             rtol=1e-6, atol=1e-6)
+  assert not np.allclose(np.asarray(model(x)), np.asarray(packed), atol=1e-3)
+
+
 # ----------------------------------------------------------------------------- errors
 
 _Q, _K, _V, _ = _inputs(10)

@@ -6,6 +6,7 @@ weights saved from `flax.nnx.MultiHeadAttention` load into it unchanged. Our opt
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 
@@ -20,6 +21,9 @@ _NO_DECODE = ("jax_fa3.flax.MultiHeadAttention does not support decode=True (a K
               "per-step mask); use flax.nnx.MultiHeadAttention for cached decoding — the "
               "parameter tree is the same")
 
+
+_CALL_PADDING: contextvars.ContextVar[dict] = contextvars.ContextVar("jax_fa3_nnx_padding",
+                                                                      default={})
 
 # num_kv_heads (GQA) came to flax.nnx.MultiHeadAttention in flax 0.12.6.
 _FLAX_HAS_GQA = "num_kv_heads" in inspect.signature(nnx.MultiHeadAttention.__init__).parameters
@@ -43,7 +47,9 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     fp8_backward: with fp8, flash_attention_fp8's `backward`: "bf16" (default; from the fp8
       forward's statistics, no second forward) or "recompute" (flash_attention's exact gradient).
 
-  Masks, attention dropout, sow_weights and decode are refused (ValueError/NotImplementedError).
+  Mask arrays (padded or packed rows take the call's query_seq_lengths / key_value_seq_lengths /
+  q_segment_ids / kv_segment_ids instead), attention dropout, sow_weights and decode are refused
+  (ValueError/NotImplementedError).
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -78,10 +84,27 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
   # Flax's __call__ calls self.attention_fn(...); a property lets it see the signs *variable* of
   # this very instance (traced under nnx.jit, restored by nnx.update), which a function fixed at
   # construction could not. Flax's __init__ assigns its default; the setter drops it.
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, query_seq_lengths=None,
+               key_value_seq_lengths=None, q_segment_ids=None, kv_segment_ids=None, **kwargs):
+    """Flax's call (mask arrays refused), plus padded or packed rows: query_seq_lengths /
+    key_value_seq_lengths (int32 (batch...)) and q_segment_ids / kv_segment_ids (int32
+    (batch..., length)), as for jax_fa3.flash_attention."""
+    padding = {name: x for name, x in (("query_seq_lengths", query_seq_lengths),
+                                       ("key_value_seq_lengths", key_value_seq_lengths),
+                                       ("q_segment_ids", q_segment_ids),
+                                       ("kv_segment_ids", kv_segment_ids)) if x is not None}
+    # Flax's call reaches attention_fn with its own fixed arguments; the padding arrays ride in a
+    # context variable for this call only (no module state to mutate under nnx transforms).
+    token = _CALL_PADDING.set(padding)
+    try:
+      return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
+    finally:
+      _CALL_PADDING.reset(token)
+
   @property
   def attention_fn(self):
     options = dict(causal=self.causal, window_size=self.window_size, softcap=self.softcap,
-                   softmax_scale=self.softmax_scale)
+                   softmax_scale=self.softmax_scale, **_CALL_PADDING.get())
     if self.fp8:
       options.update(fp8=True, signs=self.rotation_signs[...], fp8_backward=self.fp8_backward)
     return functools.partial(dot_product_attention, **options)
