@@ -247,3 +247,77 @@ def test_flax_padding_errors():
     fx.dot_product_attention(q, k, v, fp8=True, key_value_seq_lengths=jnp.ones((B,), jnp.int32))
   with pytest.raises(ValueError, match="key_value_seq_lengths="):  # the mask refusal's hint
     fx.dot_product_attention(q, k, v, mask=jnp.ones((B, 1, S_Q, S_K), bool))
+
+
+# ----------------------------------------------------------------------------- varlen
+
+# Sequence lengths (q, k): a long one, an empty query, a single token, no keys, cross lengths.
+VARLEN_Q = [23, 0, 1, 5, 9]
+VARLEN_K = [23, 4, 1, 0, 17]
+
+
+def _varlen_inputs(seed, dtype=jnp.float32):
+  rng = np.random.default_rng(seed)
+  tq, tk = sum(VARLEN_Q), sum(VARLEN_K)
+  make = lambda t, h: jnp.asarray(rng.standard_normal((t, h, D)), dtype)
+  cu = lambda lens: jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+  return make(tq, H), make(tk, H_K), make(tk, H_K), make(tq, H), cu(VARLEN_Q), cu(VARLEN_K)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (3, 1))])
+def test_varlen_matches_oracle_per_sequence(causal, window):
+  q, k, v, dout, cu_q, cu_k = _varlen_inputs(12)
+  options = dict(causal=causal, window_size=window)
+  fn = jax.jit(lambda q, k, v: jax_fa3.flash_attention_varlen(
+      q, k, v, cu_q, cu_k, max(VARLEN_Q), max(VARLEN_K), return_lse=True, **options))
+  out, lse = fn(q, k, v)
+  loss = lambda q, k, v: jnp.sum(jax_fa3.flash_attention_varlen(
+      q, k, v, cu_q, cu_k, max(VARLEN_Q), max(VARLEN_K), **options) * dout)
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  assert out.shape == q.shape and lse.shape == (H, q.shape[0])
+  oracle_options = dict(softmax_scale=D**-0.5, window_left=window[0],
+                        window_right=0 if causal else window[1])
+  for r in range(len(VARLEN_Q)):
+    qs, ks = slice(int(cu_q[r]), int(cu_q[r + 1])), slice(int(cu_k[r]), int(cu_k[r + 1]))
+    if VARLEN_Q[r] == 0:
+      continue
+    if VARLEN_K[r] == 0:  # no key: out 0, lse +inf, no gradient
+      assert np.all(np.asarray(out)[qs] == 0) and np.all(np.isinf(np.asarray(lse)[:, qs]))
+      assert np.all(np.asarray(grads[0])[qs] == 0)
+      continue
+    one = lambda x, s: np.asarray(x, np.float64)[None, s]
+    ref_out, ref_lse = attention_oracle(one(q, qs), one(k, ks), one(v, ks), **oracle_options)
+    np.testing.assert_allclose(np.asarray(out)[qs], ref_out[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse)[:, qs], ref_lse[0], rtol=1e-5, atol=1e-5)
+    ref_grads = attention_oracle_grads(one(q, qs), one(k, ks), one(v, ks), one(dout, qs),
+                                       **oracle_options)
+    for g, rg, s in zip(grads, ref_grads, (qs, ks, ks)):
+      np.testing.assert_allclose(np.asarray(g)[s], rg[0], rtol=1e-5, atol=1e-5)
+
+
+def test_varlen_check_grads_float64():
+  q, k, v, _, cu_q, cu_k = _varlen_inputs(13, jnp.float64)
+  fn = lambda q, k, v: jax_fa3.flash_attention_varlen(q, k, v, cu_q, cu_k, 23, 23, causal=True)
+  check_grads(fn, (q, k, v), order=1, modes=("rev",), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("change,error,message", [
+    (dict(cu_seqlens_q=np.array([0, 3, 2, 6], np.int32)), ValueError, "must be non-decreasing"),
+    (dict(cu_seqlens_q=np.array([1, 3, 4, 6], np.int32)), ValueError, "must start at 0 and end"),
+    (dict(cu_seqlens_k=np.array([0, 3, 4], np.int32)), ValueError, "must start at 0 and end"),
+    (dict(cu_seqlens_q=np.array([0, 3, 4, 6], np.float32)), TypeError, "integer dtype"),
+    (dict(max_seqlen_q=2), ValueError, r"max_seqlen_q \(2\) is below the longest sequence"),
+    (dict(max_seqlen_k=4.0), TypeError, "max_seqlen_k must be a Python int"),
+    (dict(cu_seqlens_k=np.array([0, 8], np.int32), max_seqlen_k=8), ValueError,
+     "the same number of sequences"),
+])
+def test_varlen_bad_inputs(change, error, message):
+  rng = np.random.default_rng(14)
+  args = dict(q=jnp.asarray(rng.standard_normal((6, 2, 8)), jnp.float32),
+              k=jnp.asarray(rng.standard_normal((8, 2, 8)), jnp.float32),
+              v=jnp.asarray(rng.standard_normal((8, 2, 8)), jnp.float32),
+              cu_seqlens_q=np.array([0, 3, 4, 6], np.int32),
+              cu_seqlens_k=np.array([0, 2, 5, 8], np.int32), max_seqlen_q=3, max_seqlen_k=3)
+  args.update(change)
+  with pytest.raises(error, match=message):
+    jax_fa3.flash_attention_varlen(**args)

@@ -1,0 +1,126 @@
+"""jax_fa3.flash_attention_varlen: attention over packed variable-length sequences
+(FlashAttention's `flash_attn_varlen_func`).
+
+Sequence r owns the tokens cu_seqlens[r] : cu_seqlens[r + 1] of the packed (total_tokens, heads,
+head_dim) arrays. Until the kernels walk a ragged batch themselves, the call gathers the packed
+tokens into a padded (num_seqs, max_seqlen, heads, head_dim) batch, runs `flash_attention` with
+segment ids that mark the padding, and scatters the result back; `jax.grad` flows through the
+gather and scatter. Each sequence is placed at the *end* of its padded row, queries and keys
+alike, so that the batch's bottom-right alignment (query i sees key j <= i + max_k - max_q) is
+each sequence's own (j <= i + len_k - len_q), as FlashAttention aligns varlen causal masks.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fa3.attention import flash_attention
+from jax_fa3._validation import check_array, check_attention_dtypes
+
+# Segment ids of the padded batch: real tokens, and the query and key padding (different ids, so
+# that padding never sees padding).
+_TOKEN, _QUERY_PAD, _KEY_PAD = 0, 1, 2
+
+
+def _check_cu_seqlens(name, cu, total, max_seqlen_name, max_seqlen):
+  check_array(name, cu)
+  if cu.ndim != 1 or cu.shape[0] < 2:
+    raise ValueError(f"{name} must have shape (num_seqs + 1,) with num_seqs >= 1, got "
+                     f"{tuple(cu.shape)}")
+  if not jnp.issubdtype(cu.dtype, jnp.integer) or cu.dtype == np.dtype(bool):
+    raise TypeError(f"{name} must have an integer dtype (int32), got {cu.dtype}")
+  if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, (int, np.integer)):
+    raise TypeError(f"{max_seqlen_name} must be a Python int (it sets the padded length), got "
+                    f"{max_seqlen!r}")
+  if max_seqlen < 1:
+    raise ValueError(f"{max_seqlen_name} must be >= 1, got {max_seqlen}")
+  try:
+    values = np.asarray(cu)
+  except Exception:  # noqa: BLE001 (traced under jit: checked by clamping instead)
+    return
+  if values[0] != 0 or values[-1] != total:
+    raise ValueError(f"{name} must start at 0 and end at the number of packed tokens ({total}), "
+                     f"got {values[0]} ... {values[-1]}")
+  lengths = np.diff(values)
+  if np.any(lengths < 0):
+    raise ValueError(f"{name} must be non-decreasing (sequence lengths >= 0), got a decrease "
+                     f"at index {int(np.argmax(lengths < 0)) + 1}")
+  if lengths.max() > max_seqlen:
+    raise ValueError(f"{max_seqlen_name} ({max_seqlen}) is below the longest sequence of {name} "
+                     f"({lengths.max()})")
+
+
+def _padded_positions(cu, max_seqlen, total):
+  """For the padded (num_seqs, max_seqlen) layout with each sequence at the end of its row: the
+  packed token each slot holds (clamped into range) and whether it holds one."""
+  lengths = jnp.clip(cu[1:] - cu[:-1], 0, max_seqlen)
+  slot = jnp.arange(max_seqlen)[None, :]
+  start = max_seqlen - lengths[:, None]  # the row's first real slot
+  token = cu[:-1, None] + slot - start
+  real = (slot >= start) & (token < total)
+  return jnp.clip(token, 0, max(total - 1, 0)), real
+
+
+def _gather(x, token):
+  return jnp.take(x, token.reshape(-1), axis=0).reshape(token.shape + x.shape[1:])
+
+
+def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                           return_lse=False, deterministic=False):
+  """Attention over packed sequences of different lengths.
+
+  Args:
+    q: (total_q, heads, head_dim); k, v: (total_k, heads_k, head_dim) — the tokens of every
+      sequence, one after the other.
+    cu_seqlens_q, cu_seqlens_k: int32 (num_seqs + 1,) cumulative lengths: sequence r is
+      q[cu_seqlens_q[r]:cu_seqlens_q[r + 1]] against k, v[cu_seqlens_k[r]:cu_seqlens_k[r + 1]].
+      Known at trace time they must start at 0, end at the token count and not decrease
+      (ValueError); traced ones are taken as given, lengths clamped to [0, max_seqlen].
+    max_seqlen_q, max_seqlen_k: Python ints, at least the longest sequence (they set the padded
+      shape; a traced sequence longer than this keeps only its first max_seqlen tokens, the others
+      get output 0).
+    softmax_scale, causal, window_size, softcap, deterministic: as for `flash_attention`;
+      causal masks and windows are aligned bottom-right within each sequence (query i of a
+      sequence sees key j <= i + len_k - len_q).
+    return_lse: also return the natural-log log-sum-exp, float32 (heads, total_q).
+
+  Returns:
+    out (total_q, heads, head_dim) in q's dtype, or (out, lse) with return_lse. A query whose
+    sequence has no key (len_k = 0, or a window) gets out 0 and lse +inf.
+
+  Runs as a padded `flash_attention` with segment ids (on the pure-JAX path for now: the kernels
+  do not take segment ids yet), so memory and time follow num_seqs × max_seqlen.
+  """
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    check_array(name, x, rank=3)
+  check_attention_dtypes(q, k, v)
+  if k.shape != v.shape:
+    raise ValueError(f"k and v must have the same shape (total_k, heads_k, head_dim), got "
+                     f"k {k.shape} and v {v.shape}")
+  _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q)
+  _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], "max_seqlen_k", max_seqlen_k)
+  if cu_seqlens_q.shape != cu_seqlens_k.shape:
+    raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
+                     f"got shapes {tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
+  cu_q, cu_k = (jnp.asarray(c, jnp.int32) for c in (cu_seqlens_q, cu_seqlens_k))
+  q_token, q_real = _padded_positions(cu_q, max_seqlen_q, q.shape[0])
+  k_token, k_real = _padded_positions(cu_k, max_seqlen_k, k.shape[0])
+  q_pad, k_pad, v_pad = _gather(q, q_token), _gather(k, k_token), _gather(v, k_token)
+  q_segments = jnp.where(q_real, _TOKEN, _QUERY_PAD).astype(jnp.int32)
+  k_segments = jnp.where(k_real, _TOKEN, _KEY_PAD).astype(jnp.int32)
+  out, lse = flash_attention(q_pad, k_pad, v_pad, softmax_scale=softmax_scale, causal=causal,
+                             window_size=window_size, softcap=softcap, return_lse=True,
+                             deterministic=deterministic, q_segment_ids=q_segments,
+                             kv_segment_ids=k_segments)
+  # Back to packed order: slot (r, p) holds token q_token[r, p] where q_real; the others drop.
+  total, heads = q.shape[0], q.shape[1]
+  flat_token = jnp.where(q_real, q_token, total).reshape(-1)  # total: out of range, dropped
+  packed_out = jnp.zeros((total + 1,) + q.shape[1:], out.dtype).at[flat_token].set(
+      out.reshape((-1,) + q.shape[1:]), mode="drop")[:total]
+  if not return_lse:
+    return packed_out
+  per_slot_lse = jnp.moveaxis(lse, 1, 2).reshape(-1, heads)  # (num_seqs * max_q, heads)
+  packed_lse = jnp.full((total + 1, heads), jnp.inf, lse.dtype).at[flat_token].set(
+      per_slot_lse, mode="drop")[:total]
+  return packed_out, packed_lse.T
