@@ -8,6 +8,7 @@ from jax_fa3._ffi import build_config, kernels_available, kernels_unavailable_re
 from jax_fa3.attention import flash_attention
 from jax_fa3.fp8 import dequantize_fp8, flash_attention_fp8, quantize_fp8
 from jax_fa3.hadamard import hadamard_transform
+from jax_fa3.kvcache import flash_attention_with_kvcache
 from jax_fa3.varlen import flash_attention_varlen
 from jax_fa3.ring import (ring_attention, sequence_parallel_attention, zigzag_indices,
                           zigzag_permute, zigzag_unpermute)
@@ -18,6 +19,7 @@ __all__ = [
     "flash_attention",
     "flash_attention_fp8",
     "flash_attention_varlen",
+    "flash_attention_with_kvcache",
     "hadamard_transform",
     "kernels_available",
     "kernels_unavailable_reason",

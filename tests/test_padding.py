@@ -17,6 +17,7 @@ from jax.test_util import check_grads
 import jax_fa3
 import jax_fa3.flax as fx
 from cpu_mesh import CPUS, make_mesh
+from jax_fa3.flax.nnx_layers import _FLAX_HAS_GQA
 from oracle import attention_oracle, attention_oracle_grads, padding_mask
 
 B, S_Q, S_K, H, H_K, D = 4, 37, 45, 4, 2, 16
@@ -191,6 +192,8 @@ def test_linen_layer_packed_rows_equal_separate_rows():
                              rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not _FLAX_HAS_GQA, reason="jax_fa3.flax.MultiHeadAttention needs flax >= "
+                    "0.12.6 (GQA in nnx.MultiHeadAttention)")
 def test_nnx_layer_packed_rows_equal_separate_rows():
   from flax import nnx  # noqa: PLC0415
   rng = np.random.default_rng(11)

@@ -1,0 +1,187 @@
+"""jax_fa3.flash_attention_with_kvcache: attention of new queries against a KV cache, contiguous or
+paged, appending new keys and values first (FlashAttention's `flash_attn_with_kvcache`).
+
+Until the kernels read caches themselves, the call gathers each row's valid keys into a batch in
+which they end the row (so that the batch's bottom-right alignment is the row's own: query i of
+s_q new queries sees key j <= i + len - s_q), marks the rest with segment ids and runs
+`flash_attention`: correct on every platform, with a copy of the visible cache per call.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_fa3.attention import flash_attention
+from jax_fa3._validation import check_array, check_attention_dtypes
+
+_TOKEN, _KEY_PAD = 0, 2  # segment ids: real keys (and every query), cache slots past a row's length
+
+
+def _concrete(x):
+  try:
+    return np.asarray(x)
+  except Exception:  # noqa: BLE001 (a tracer: values unknown at trace time)
+    return None
+
+
+def _check_int(name, x, shape, meaning):
+  check_array(name, x)
+  if not jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == np.dtype(bool):
+    raise TypeError(f"{name} must have an integer dtype (int32), got {x.dtype}")
+  if tuple(x.shape) != shape:
+    raise ValueError(f"{name} must have shape {shape} {meaning}, got {tuple(x.shape)}")
+  return _concrete(x)
+
+
+def _layout(q, k_cache, v_cache, page_table, cache_batch_idx):
+  """The capacity (logical slots) of a row, after checking the cache arrays against q."""
+  b, _, h, d = q.shape
+  check_array("k_cache", k_cache, rank=4)
+  if k_cache.shape != v_cache.shape:
+    raise ValueError(f"k_cache and v_cache must have the same shape, got {k_cache.shape} and "
+                     f"{v_cache.shape}")
+  if page_table is not None:
+    if cache_batch_idx is not None:
+      raise ValueError("cache_batch_idx is for contiguous caches; a paged cache maps rows to "
+                       "pages with page_table")
+    num_pages, page_size = k_cache.shape[:2]
+    check_array("page_table", page_table)
+    if page_table.ndim != 2 or page_table.shape[0] != b:
+      raise ValueError(f"page_table must have shape ({b}, pages_per_seq), got "
+                       f"{tuple(page_table.shape)}")
+    pages = _check_int("page_table", page_table, tuple(page_table.shape), "(batch, pages_per_seq)")
+    if pages is not None and pages.size and (pages.min() < 0 or pages.max() >= num_pages):
+      raise ValueError(f"page_table must index pages in [0, {num_pages}) (k_cache's first axis), "
+                       f"got values from {pages.min()} to {pages.max()}")
+    return page_table.shape[1] * page_size
+  if cache_batch_idx is not None:
+    rows = _check_int("cache_batch_idx", cache_batch_idx, (b,), "(batch,)")
+    if rows is not None and (rows.min() < 0 or rows.max() >= k_cache.shape[0]):
+      raise ValueError(f"cache_batch_idx must index cache rows in [0, {k_cache.shape[0]}), got "
+                       f"values from {rows.min()} to {rows.max()}")
+  elif k_cache.shape[0] != b:
+    raise ValueError(f"k_cache must have one row per batch row of q ({b}), got {k_cache.shape[0]}"
+                     f" (pass cache_batch_idx to pick rows)")
+  return k_cache.shape[1]
+
+
+def _slots(cache, page_table, cache_batch_idx, b, capacity):
+  """(row or page, offset) arrays (b, capacity) of each batch row's logical cache slots."""
+  position = jnp.arange(capacity)
+  if page_table is not None:
+    page_size = cache.shape[1]
+    page = page_table.astype(jnp.int32)[:, position // page_size]
+    return page, jnp.broadcast_to(position % page_size, page.shape)
+  rows = jnp.arange(b) if cache_batch_idx is None else cache_batch_idx.astype(jnp.int32)
+  return (jnp.broadcast_to(rows[:, None], (b, capacity)),
+          jnp.broadcast_to(position[None, :], (b, capacity)))
+
+
+def _append(cache, new, first, slots):
+  """cache with new[:, t] written at logical slot first + t of each row; slots past the
+  capacity are dropped (never written elsewhere)."""
+  where, offset = slots
+  capacity = where.shape[1]
+  t = jnp.arange(new.shape[1])[None, :]
+  logical = first[:, None] + t  # (b, s_new)
+  inside = (logical >= 0) & (logical < capacity)
+  clipped = jnp.clip(logical, 0, capacity - 1)
+  target = jnp.take_along_axis(where, clipped, axis=1)
+  position = jnp.take_along_axis(offset, clipped, axis=1)
+  inside &= (target >= 0) & (target < cache.shape[0])  # a traced page or row out of range
+  target = jnp.where(inside, target, cache.shape[0])  # out of range: dropped by the scatter
+  return cache.at[target, position].set(new.astype(cache.dtype), mode="drop")
+
+
+def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
+                                 page_table=None, cache_batch_idx=None, softmax_scale=None,
+                                 causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0,
+                                 return_lse=False):
+  """Attention of q against a KV cache, after appending k and v to it (forward only).
+
+  Args:
+    q: (batch, seqlen_q, heads, head_dim): the new queries (seqlen_q = 1 when decoding).
+    k_cache, v_cache: contiguous (batch_cache, seqlen_cache, heads_k, head_dim), or with
+      `page_table` paged pools (num_pages, page_size, heads_k, head_dim); q's dtype.
+    k, v: optional (batch, seqlen_new, heads_k, head_dim) tokens to write into the cache at
+      positions cache_seqlens[r] ... cache_seqlens[r] + seqlen_new - 1 of row r before attending.
+    cache_seqlens: int32 (batch,) (or a Python int for all rows): each row's valid tokens before
+      the append. Row r then attends over its first cache_seqlens[r] + seqlen_new slots.
+    page_table: int32 (batch, pages_per_seq): row r's logical slot p lives in page
+      page_table[r, p // page_size] at offset p % page_size.
+    cache_batch_idx: int32 (batch,), contiguous caches only: the cache row of each batch row
+      (default: row r).
+    softmax_scale, causal, window_size, softcap: as for `flash_attention`, aligned bottom-right
+      on each row's own length: query i sees key j <= i + length - seqlen_q.
+    num_splits: how many key ranges a kernel would split a row over (0: its choice). The result
+      does not depend on it; this path ignores it.
+    return_lse: also return the float32 (batch, heads, seqlen_q) log-sum-exp.
+
+  Returns:
+    out (batch, seqlen_q, heads, head_dim) in q's dtype (with the lse when return_lse), and when
+    k and v are given also the updated (k_cache, v_cache): (out, k_cache, v_cache). Under jit with
+    the caches donated (donate_argnums), the update happens in place (input/output aliasing).
+
+  Validation: values known at trace time are checked (ValueError: lengths past the capacity,
+  pages out of range) before anything is written. Under jit, where they are not, an append past
+  a row's capacity is dropped (never written elsewhere), lengths are clamped to [0, capacity]
+  and out-of-range page or row indices are clamped when read.
+
+  Forward only (no gradient). It runs the pure-JAX path for now, on every platform: it gathers
+  each row's visible cache (a copy per call) and runs `flash_attention` with segment ids; the
+  paged, split-KV decoding kernels are not written yet.
+  """
+  check_array("q", q, rank=4)
+  check_array("v_cache", v_cache, rank=4)
+  check_attention_dtypes(q, k_cache, v_cache)
+  b, s_q, h, d = q.shape
+  capacity = _layout(q, k_cache, v_cache, page_table, cache_batch_idx)
+  h_k = k_cache.shape[2]
+  if k_cache.shape[3] != d or h % h_k:
+    raise ValueError(f"k_cache must have head_dim {d} (q's) and heads dividing q's {h}, got shape "
+                     f"{tuple(k_cache.shape)}")
+  if (k is None) != (v is None):
+    raise ValueError("give k and v together (the new tokens to append), or neither")
+  s_new = 0
+  if k is not None:
+    check_array("k", k, rank=4)
+    if k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (h_k, d):
+      raise ValueError(f"k and v must have shape ({b}, seqlen_new, {h_k}, {d}), got k {k.shape} "
+                       f"and v {v.shape}")
+    check_attention_dtypes(q, k, v)
+    s_new = k.shape[1]
+  if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
+    raise ValueError(f"num_splits must be an int >= 0 (0: chosen by the kernel), got {num_splits!r}")
+  if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+    cache_seqlens = jnp.full((b,), int(cache_seqlens), jnp.int32)
+  lengths = _check_int("cache_seqlens", cache_seqlens, (b,), "(batch,)")
+  if lengths is not None and (lengths.min() < 0 or lengths.max() + s_new > capacity):
+    raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {capacity}] (the cache's "
+                     f"capacity per row), got cache_seqlens from {lengths.min()} to "
+                     f"{lengths.max()} with seqlen_new {s_new}")
+  first = jnp.clip(jnp.asarray(cache_seqlens, jnp.int32), 0, capacity)
+  slots = _slots(k_cache, page_table, cache_batch_idx, b, capacity)
+  if k is not None:
+    k_cache = _append(k_cache, k, first, slots)
+    v_cache = _append(v_cache, v, first, slots)
+  length = jnp.clip(first + s_new, 0, capacity)
+
+  # Each row's valid keys moved to the end of a (batch, capacity) row: slot t holds logical key
+  # t - (capacity - length).
+  where, offset = slots
+  logical = jnp.arange(capacity)[None, :] - (capacity - length[:, None])
+  real = logical >= 0
+  pick = jnp.clip(logical, 0, capacity - 1)
+  rows = jnp.clip(jnp.take_along_axis(where, pick, axis=1), 0, k_cache.shape[0] - 1)
+  positions = jnp.take_along_axis(offset, pick, axis=1)
+  keys, values = k_cache[rows, positions], v_cache[rows, positions]
+  k_segments = jnp.where(real, _TOKEN, _KEY_PAD).astype(jnp.int32)
+  q_segments = jnp.full((b, s_q), _TOKEN, jnp.int32)
+  result = flash_attention(q, jax.lax.stop_gradient(keys), jax.lax.stop_gradient(values),
+                           softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                           softcap=softcap, return_lse=return_lse, q_segment_ids=q_segments,
+                           kv_segment_ids=k_segments)
+  if k is None:
+    return result
+  return result, k_cache, v_cache

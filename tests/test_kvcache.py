@@ -1,0 +1,182 @@
+"""flash_attention_with_kvcache: contiguous and paged caches, appends (across page boundaries),
+GQA, causal and windows against the float64 oracle on each row's keys, in-place updates under
+jit with donation, and the errors.
+
+Float32 inputs (softmax and accumulation in float32) against a float64 oracle: 1e-5 relative.
+"""
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fa3
+from oracle import attention_oracle
+
+B, H, H_K, D = 4, 8, 2, 16  # GQA 4:1
+CAPACITY = 24
+PAGE = 4  # page size: CAPACITY / PAGE = 6 pages per row
+LENGTHS = np.array([0, 5, 11, 17], np.int32)  # before the append; 0 = an empty row
+
+
+def _normal(rng, *shape):
+  return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+def _case(seed, s_q, s_new):
+  rng = np.random.default_rng(seed)
+  q = _normal(rng, B, s_q, H, D)
+  k_cache, v_cache = _normal(rng, B, CAPACITY, H_K, D), _normal(rng, B, CAPACITY, H_K, D)
+  new = (_normal(rng, B, s_new, H_K, D), _normal(rng, B, s_new, H_K, D)) if s_new else (None, None)
+  return q, k_cache, v_cache, *new
+
+
+def _appended(cache, new, lengths):
+  cache = np.array(cache, np.float64)
+  if new is not None:
+    for r, n in enumerate(lengths):
+      cache[r, n:n + new.shape[1]] = np.asarray(new[r])
+  return cache
+
+
+def _oracle(q, k_full, v_full, lengths, **options):
+  """Per row: attention of q[r] over the row's first lengths[r] keys (bottom-right aligned)."""
+  outs, lses = [], []
+  for r, n in enumerate(lengths):
+    if n == 0:
+      outs.append(np.zeros(q.shape[1:])), lses.append(np.full((q.shape[2], q.shape[1]), np.inf))
+      continue
+    out, lse = attention_oracle(np.asarray(q[r:r + 1], np.float64), k_full[r:r + 1, :n],
+                                v_full[r:r + 1, :n], softmax_scale=D**-0.5, **options)
+    outs.append(out[0]), lses.append(lse[0])
+  return np.stack(outs), np.stack(lses)
+
+
+def _paged(cache, seed):
+  """The same logical cache as a shuffled page pool with its page table (plus unused pages)."""
+  rng = np.random.default_rng(seed)
+  pages_per_row = CAPACITY // PAGE
+  num_pages = B * pages_per_row + 3
+  table = rng.permutation(num_pages)[:B * pages_per_row].reshape(B, pages_per_row)
+  pool = np.asarray(rng.standard_normal((num_pages, PAGE) + cache.shape[2:]), np.float32)
+  for r in range(B):
+    for p in range(pages_per_row):
+      pool[table[r, p]] = np.asarray(cache[r, p * PAGE:(p + 1) * PAGE])
+  return jnp.asarray(pool), jnp.asarray(table, jnp.int32)
+
+
+def _unpage(pool, table):
+  pool, table = np.asarray(pool, np.float64), np.asarray(table)
+  return np.stack([np.concatenate([pool[p] for p in row]) for row in table])
+
+
+@pytest.mark.parametrize("s_q,s_new,causal,window", [
+    (1, 1, False, (-1, -1)),   # decode: one query, one appended token
+    (1, 0, False, (-1, -1)),   # attend to the cache as it is
+    (3, 3, True, (-1, -1)),    # a chunk of 3 tokens (prefill), causal, crossing page boundaries
+    (2, 5, False, (4, 0)),     # a window
+])
+@pytest.mark.parametrize("paged", [False, True])
+def test_matches_oracle(s_q, s_new, causal, window, paged):
+  q, k_cache, v_cache, k, v = _case(s_q * 10 + s_new, s_q, s_new)
+  want_k, want_v = _appended(k_cache, k, LENGTHS), _appended(v_cache, v, LENGTHS)
+  options = dict(causal=causal, window_size=window)
+  if paged:
+    (k_cache, table), (v_cache, _) = _paged(k_cache, 1), _paged(v_cache, 1)
+    options["page_table"] = table
+  call = jax.jit(functools.partial(jax_fa3.flash_attention_with_kvcache, return_lse=True,
+                                   **options))
+  result = call(q, k_cache, v_cache, k, v, cache_seqlens=jnp.asarray(LENGTHS))
+  (out, lse), new_k, new_v = result if k is not None else (result, k_cache, v_cache)
+  got_k, got_v = ((_unpage(new_k, table), _unpage(new_v, table)) if paged
+                  else (np.asarray(new_k), np.asarray(new_v)))
+  np.testing.assert_array_equal(got_k, want_k)  # appended, and nothing else changed
+  np.testing.assert_array_equal(got_v, want_v)
+  ref_out, ref_lse = _oracle(q, want_k, want_v, LENGTHS + s_new, window_left=window[0],
+                             window_right=0 if causal else window[1])
+  np.testing.assert_allclose(np.asarray(out), ref_out, rtol=1e-5, atol=1e-5)
+  finite = np.isfinite(ref_lse)
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+  np.testing.assert_allclose(np.asarray(lse)[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_cache_batch_idx_picks_rows():
+  q, k_cache, v_cache, k, v = _case(5, 1, 1)
+  order = jnp.array([2, 0, 3, 1], jnp.int32)
+  out, new_k, _ = jax_fa3.flash_attention_with_kvcache(q, k_cache, v_cache, k, v,
+                                                       cache_seqlens=jnp.asarray(LENGTHS),
+                                                       cache_batch_idx=order)
+  want_k = np.array(k_cache, np.float64)
+  want_v = np.array(v_cache, np.float64)
+  for r, row in enumerate(np.asarray(order)):
+    want_k[row, LENGTHS[r]] = np.asarray(k[r, 0])
+    want_v[row, LENGTHS[r]] = np.asarray(v[r, 0])
+  np.testing.assert_array_equal(np.asarray(new_k), want_k)
+  ref_out, _ = _oracle(q, want_k[np.asarray(order)], want_v[np.asarray(order)], LENGTHS + 1)
+  np.testing.assert_allclose(np.asarray(out), ref_out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_donated_caches_are_updated_in_place(paged):
+  q, k_cache, v_cache, k, v = _case(6, 1, 1)
+  options = {}
+  if paged:
+    (k_cache, table), (v_cache, _) = _paged(k_cache, 2), _paged(v_cache, 2)
+    options["page_table"] = table
+  step = jax.jit(functools.partial(jax_fa3.flash_attention_with_kvcache, **options),
+                 donate_argnums=(1, 2))
+  lengths = jnp.asarray(LENGTHS)
+  compiled = step.lower(q, k_cache, v_cache, k, v, cache_seqlens=lengths).compile()
+  # Both caches alias an output (parameter 1 -> output 1, 2 -> 2): XLA writes the appended
+  # tokens into the donated buffers, and no instruction copies a cache-shaped array.
+  text = compiled.as_text()
+  header = text.splitlines()[0]
+  assert re.search(r"\{1\}: \(1, \{\}", header) and re.search(r"\{2\}: \(2, \{\}", header), header
+  cache_shape = "f32[" + ",".join(map(str, k_cache.shape)) + "]"
+  copies = [line for line in text.splitlines()
+            if cache_shape in line and (" copy(" in line or "copy-start(" in line)]
+  assert not copies, copies
+  _, new_k, new_v = step(q, k_cache, v_cache, k, v, cache_seqlens=lengths)
+  assert k_cache.is_deleted() and v_cache.is_deleted()  # donated, not copied
+  assert new_k.shape == k_cache.shape
+
+
+def test_traced_out_of_range_appends_are_dropped():
+  q, k_cache, v_cache, k, v = _case(7, 1, 2)
+  call = jax.jit(jax_fa3.flash_attention_with_kvcache)
+  lengths = jnp.array([CAPACITY - 1, CAPACITY, 3, 0], jnp.int32)  # rows 0, 1 overflow
+  _, new_k, _ = call(q, k_cache, v_cache, k, v, cache_seqlens=lengths)
+  want = np.array(k_cache, np.float64)
+  want[0, CAPACITY - 1] = np.asarray(k[0, 0])  # the token that fits; the rest dropped
+  want[2, 3:5] = np.asarray(k[2])
+  want[3, 0:2] = np.asarray(k[3])
+  np.testing.assert_array_equal(np.asarray(new_k), want)
+
+
+_Q, _KC, _VC, _K, _V = _case(8, 1, 1)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(cache_seqlens=jnp.array([0, 1, 2, CAPACITY], jnp.int32)), ValueError,
+     r"cache_seqlens \+ seqlen_new must lie in \[0, 24\]"),
+    (dict(cache_seqlens=jnp.array([0, 1, 2, -1], jnp.int32)), ValueError, "must lie in"),
+    (dict(cache_seqlens=jnp.zeros((B,), jnp.float32)), TypeError, "integer dtype"),
+    (dict(cache_seqlens=jnp.zeros((B, 1), jnp.int32)), ValueError, r"shape \(4,\)"),
+    (dict(cache_seqlens=0, k=None), ValueError, "give k and v together"),
+    (dict(cache_seqlens=0, num_splits=-1), ValueError, "num_splits must be an int >= 0"),
+    (dict(cache_seqlens=0, cache_batch_idx=jnp.array([0, 1, 2, 4], jnp.int32)), ValueError,
+     r"cache_batch_idx must index cache rows in \[0, 4\)"),
+    (dict(cache_seqlens=0, page_table=jnp.zeros((B, 6), jnp.int32),
+          cache_batch_idx=jnp.arange(B, dtype=jnp.int32)), ValueError, "cache_batch_idx is for"),
+    (dict(cache_seqlens=0, page_table=jnp.full((B, 6), B, jnp.int32)), ValueError,
+     r"page_table must index pages in \[0, 4\)"),
+])
+def test_bad_inputs_raise_before_anything_is_written(kwargs, error, message):
+  args = dict(k=_K, v=_V)
+  args.update(kwargs)
+  before = np.asarray(_KC).copy()
+  with pytest.raises(error, match=message):
+    jax_fa3.flash_attention_with_kvcache(_Q, _KC, _VC, **args)
+  np.testing.assert_array_equal(np.asarray(_KC), before)
