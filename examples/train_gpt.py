@@ -8,6 +8,7 @@ is 6 layers, width 512, 8 heads, sequence 1024, in bfloat16; on the CPU (or with
   python examples/train_gpt.py --attention xla               # jax.nn.dot_product_attention (XLA)
   python examples/train_gpt.py --compare --plot loss.png     # jax_fa3 vs XLA, same init and data
   python examples/train_gpt.py --compare-fp8 --steps 1000    # jax_fa3 bf16 vs its FP8 mode
+  python examples/train_gpt.py --generate 200                # then write 200 bytes, KV cache
   python examples/train_gpt.py --parallel shard_map          # data parallel on all local devices
 
 `--attention xla|cudnn` uses flax.linen.MultiHeadDotProductAttention with the same parameter tree
@@ -78,6 +79,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--plot", default="train_gpt_loss.png",
                       help="PNG written with --compare / --compare-fp8")
   parser.add_argument("--quiet", action="store_true", help="no progress bar")
+  parser.add_argument("--generate", type=int, default=0, metavar="N",
+                      help="after training jax_fa3, continue --prompt by N bytes (greedy) with "
+                           "the attention layers' KV cache")
+  parser.add_argument("--prompt", default="def flash_attention(",
+                      help="the text --generate continues")
   args = parser.parse_args(argv)
   args.small = args.small or jax.default_backend() == "cpu"
   args.steps = args.steps or (20 if args.small else 300)
@@ -119,11 +125,11 @@ def reference_attention_fn(query, key, value, *, implementation):
                                       implementation=implementation)
 
 
-def attention_layer(kind: str, heads: int, dtype, fp8_backward: str):
+def attention_layer(kind: str, heads: int, dtype, fp8_backward: str, decode: bool = False):
   """Our layer or Flax's with XLA/cuDNN attention: the same parameter tree either way."""
   if kind == "jax_fa3":
     return jax_fa3.flax.linen.MultiHeadDotProductAttention(
-        num_heads=heads, causal=True, dtype=dtype, name="attention")
+        num_heads=heads, causal=True, dtype=dtype, decode=decode, name="attention")
   if kind == "jax_fa3_fp8":
     return jax_fa3.flax.linen.MultiHeadDotProductAttention(
         num_heads=heads, causal=True, dtype=dtype, fp8=True, fp8_backward=fp8_backward,
@@ -137,11 +143,13 @@ class Block(nn.Module):
   config: ModelConfig
   attention: str
   fp8_backward: str = "bf16"
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x):
     cfg = self.config
-    attention = attention_layer(self.attention, cfg.heads, cfg.dtype, self.fp8_backward)
+    attention = attention_layer(self.attention, cfg.heads, cfg.dtype, self.fp8_backward,
+                                self.decode)
     x = x + attention(nn.LayerNorm(dtype=cfg.dtype)(x))
     h = nn.Dense(4 * cfg.width, dtype=cfg.dtype)(nn.LayerNorm(dtype=cfg.dtype)(x))
     return x + nn.Dense(cfg.width, dtype=cfg.dtype)(nn.gelu(h))
@@ -151,15 +159,24 @@ class GPT(nn.Module):
   config: ModelConfig
   attention: str = "jax_fa3"
   fp8_backward: str = "bf16"  # FP8 mode's backward (attention "jax_fa3_fp8")
+  decode: bool = False  # generation: the attention layers keep a KV cache ('cache' collection)
 
   @nn.compact
   def __call__(self, tokens):
     cfg = self.config
     embed = nn.Embed(VOCAB, cfg.width, dtype=cfg.dtype)
     positions = self.param("positions", nn.initializers.normal(0.02), (cfg.seqlen, cfg.width))
-    x = embed(tokens) + positions[: tokens.shape[-1]].astype(cfg.dtype)
+    start = 0
+    if self.decode:  # the tokens continue the sequence cached so far (after the sizing init)
+      initialized = self.has_variable("cache", "position")
+      position = self.variable("cache", "position", lambda: jnp.array(0, jnp.int32))
+      if initialized:
+        start = position.value
+        position.value = start + tokens.shape[-1]
+    x = embed(tokens) + jax.lax.dynamic_slice_in_dim(positions, start, tokens.shape[-1]).astype(
+        cfg.dtype)
     for _ in range(cfg.depth):
-      x = Block(cfg, self.attention, self.fp8_backward)(x)
+      x = Block(cfg, self.attention, self.fp8_backward, self.decode)(x)
     x = nn.LayerNorm(dtype=cfg.dtype)(x)
     return embed.attend(x).astype(jnp.float32)  # tied output embedding
 
@@ -280,7 +297,10 @@ def train(args, attention: str, init_params, corpus) -> dict:
   label = attention if attention != "jax_fa3_fp8" else f"{attention} ({args.fp8_backward} backward)"
   if attention.startswith("jax_fa3") and not jax_fa3.kernels_available():
     label += " (pure-JAX path)"  # no Hopper kernels here: say so next to the numbers
-  return dict(attention=attention, label=label, losses=losses, tokens_per_s=tokens_per_s)
+  if args.parallel == "pmap":  # one copy per device: keep the first
+    params = jax.tree.map(lambda x: x[0], params)
+  return dict(attention=attention, label=label, losses=losses, tokens_per_s=tokens_per_s,
+              params=jax.device_get(params))
 
 
 def plot_losses(results: list[dict], path: str) -> None:
@@ -297,6 +317,28 @@ def plot_losses(results: list[dict], path: str) -> None:
   fig.savefig(path, dpi=120)
   plt.close(fig)
   print(f"wrote {path}")
+
+
+# ----------------------------------------------------------------------------- generation
+
+def generate(config: ModelConfig, params, prompt: bytes, length: int) -> bytes:
+  """Greedy continuation of `prompt` by `length` bytes with the KV cache (decode=True): the prompt
+  as one chunk, then one token per step, each step attending over the cache."""
+  if not prompt or len(prompt) + length > config.seqlen:
+    raise ValueError(f"the prompt (1 byte or more) and the continuation must fit in the "
+                     f"model's {config.seqlen} positions, got {len(prompt)} + {length}")
+  model = GPT(config, "jax_fa3", decode=True)
+  cache = jax.jit(model.init)(jax.random.key(0), np.zeros((1, config.seqlen), np.int32))["cache"]
+  step = jax.jit(lambda cache, tokens: model.apply({"params": params, "cache": cache}, tokens,
+                                                   mutable=["cache"]))
+  tokens = np.frombuffer(prompt, np.uint8).astype(np.int32)[None]
+  out = []
+  for _ in range(length):
+    logits, variables = step(cache, tokens)
+    cache = variables["cache"]
+    tokens = np.asarray(jnp.argmax(logits[:, -1], axis=-1), np.int32)[:, None]
+    out.append(int(tokens[0, 0]))
+  return bytes(out)
 
 
 def main(argv=None) -> list[dict]:
@@ -324,6 +366,11 @@ def main(argv=None) -> list[dict]:
     print(f"mean loss of the last {tail} steps: {a['attention']} {ends[0]:.4f}, {b['attention']} "
           f"{ends[1]:.4f} ({100 * (ends[1] / ends[0] - 1):+.2f}%)")
     plot_losses(results, args.plot)
+  if args.generate:
+    trained = next(r for r in results if r["attention"] == "jax_fa3")
+    prompt = args.prompt.encode()
+    text = generate(config, trained["params"], prompt, args.generate)
+    print(f"generated (greedy, KV cache): {(prompt + text).decode(errors='replace')!r}")
   return results
 
 

@@ -339,7 +339,7 @@ def test_layers_refuse_what_they_cannot_honour():
   key = jax.random.key(0)
   linen_cases = [
       (dict(attention_fn=functools.partial(nn.dot_product_attention)), {}, TypeError, "flax.linen.MultiHead"),
-      (dict(decode=True), {}, NotImplementedError, "decode"),
+      (dict(decode=True, fp8=True), {}, NotImplementedError, "decode"),
       (dict(dropout_rate=0.1), dict(deterministic=False), ValueError, "dropout"),
       ({}, dict(mask=jnp.ones((1, 1, 8, 8), bool)), ValueError, "causal=True"),
       ({}, dict(sow_weights=True), ValueError, "sow"),
@@ -421,3 +421,23 @@ def test_example_runs_as_a_script(name, expected):
                           capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-2000:]
   assert expected in result.stdout
+
+
+def test_train_gpt_generation_with_the_kv_cache_equals_recomputing():
+  # Greedy generation through the layers' KV cache (decode=True) gives the bytes that running the
+  # whole sequence through the model again at every step gives.
+  train_gpt = _load_example("train_gpt")
+  results = train_gpt.main(["--small", "--depth", "1", "--steps", "2", "--quiet"])
+  config = train_gpt.model_config(train_gpt.parse_args(["--small", "--depth", "1"]))
+  params = results[0]["params"]
+  prompt = b"def f("
+  cached = train_gpt.generate(config, params, prompt, 12)
+  model = train_gpt.GPT(config)
+  forward = jax.jit(lambda tokens: model.apply({"params": params}, tokens))
+  tokens = list(prompt)
+  for _ in range(12):
+    logits = forward(jnp.asarray([tokens], jnp.int32))
+    tokens.append(int(jnp.argmax(logits[0, -1])))
+  assert cached == bytes(tokens[len(prompt):])
+  with pytest.raises(ValueError, match="must fit in the model's 64 positions"):
+    train_gpt.generate(config, params, prompt, 60)

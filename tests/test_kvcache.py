@@ -180,3 +180,43 @@ def test_bad_inputs_raise_before_anything_is_written(kwargs, error, message):
   with pytest.raises(error, match=message):
     jax_fa3.flash_attention_with_kvcache(_Q, _KC, _VC, **args)
   np.testing.assert_array_equal(np.asarray(_KC), before)
+
+
+# ----------------------------------------------------------------------------- Flax decode
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_linen_decode_matches_the_full_causal_call(chunk):
+  import jax_fa3.flax as fx  # noqa: PLC0415
+  rng = np.random.default_rng(9)
+  x = jnp.asarray(rng.standard_normal((2, 12, 32)), jnp.float32)
+  full_layer = fx.linen.MultiHeadDotProductAttention(num_heads=4, num_kv_heads=2, causal=True)
+  params = full_layer.init(jax.random.key(0), x)["params"]
+  want = full_layer.apply({"params": params}, x)
+  decoder = fx.linen.MultiHeadDotProductAttention(num_heads=4, num_kv_heads=2, causal=True,
+                                                  decode=True)
+  cache = decoder.init(jax.random.key(0), x)["cache"]  # sized by the full-length input
+  assert cache["cached_key"].shape == (2, 12, 2, 8) and int(cache["cache_index"]) == 0
+  step = jax.jit(lambda cache, x: decoder.apply({"params": params, "cache": cache}, x,
+                                                mutable=["cache"]))
+  outs = []
+  for t in range(0, 12, chunk):
+    out, variables = step(cache, x[:, t:t + chunk])
+    cache = variables["cache"]
+    outs.append(out)
+  assert int(cache["cache_index"]) == 12
+  np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, axis=1)), np.asarray(want),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_linen_decode_refuses_masks_and_fp8():
+  import jax_fa3.flax as fx  # noqa: PLC0415
+  x = jnp.zeros((1, 4, 16), jnp.float32)
+  layer = fx.linen.MultiHeadDotProductAttention(num_heads=2, decode=True, fp8=True)
+  with pytest.raises(NotImplementedError, match="decode=True with fp8=True"):
+    layer.init(jax.random.key(0), x)
+  layer = fx.linen.MultiHeadDotProductAttention(num_heads=2, decode=True)
+  variables = layer.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="decode=True takes no key_value_seq_lengths"):
+    layer.apply(variables, x[:, :1], key_value_seq_lengths=jnp.ones((1,), jnp.int32),
+                mutable=["cache"])

@@ -9,11 +9,14 @@ in the 'fp8_rotation' collection, not in 'params').
 from __future__ import annotations
 
 import functools
+import math
 
 import flax.linen as nn
+import jax.numpy as jnp
 from flax.linen.attention import dot_product_attention as _flax_default_attention
 
 from jax_fa3._validation import check_softcap, check_window
+from jax_fa3.kvcache import flash_attention_with_kvcache
 from jax_fa3.flax.attention_fn import (check_no_dropout, check_no_weights_introspection,
                                        dot_product_attention)
 from jax_fa3.flax.rotation import ROTATION_COLLECTION, ROTATION_NAME, random_rotation_signs
@@ -46,9 +49,13 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     fp8_backward: with fp8, flash_attention_fp8's `backward`: "bf16" (default; from the fp8
       forward's statistics, no second forward) or "recompute" (flash_attention's exact gradient).
 
+  decode=True keeps Flax's cache variables ('cache': cached_key, cached_value, cache_index): the
+  init call sizes the cache, each later call appends its tokens (one or a chunk) and attends over
+  the cache through jax_fa3.flash_attention_with_kvcache.
+
   Mask arrays (padded or packed rows take the call's query_seq_lengths / key_value_seq_lengths /
-  q_segment_ids / kv_segment_ids instead), attention dropout, sow_weights, decode and a custom
-  attention_fn are refused.
+  q_segment_ids / kv_segment_ids instead), attention dropout, sow_weights, decode with fp8 and a
+  custom attention_fn are refused.
   """
 
   causal: bool = False
@@ -65,11 +72,10 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
           f"{type(self).__name__} always runs jax_fa3 attention; for another attention_fn use "
           f"flax.linen.MultiHeadDotProductAttention(attention_fn=...), whose parameter tree is "
           f"the same")
-    if self.decode:
+    if self.decode and self.fp8:
       raise NotImplementedError(
-          f"{type(self).__name__} does not support decode=True (a KV cache needs a per-step "
-          f"mask); use flax.linen.MultiHeadDotProductAttention for cached decoding — the "
-          f"parameter tree is the same")
+          f"{type(self).__name__}: decode=True with fp8=True is not supported yet (no FP8 KV "
+          f"cache); decode in bf16 with the same parameters (fp8=False)")
     if self.qk_attn_weights_einsum_cls or self.attn_weights_value_einsum_cls:
       raise TypeError("jax_fa3 attention takes no qk_attn_weights_einsum_cls / "
                       "attn_weights_value_einsum_cls (custom einsums); for low precision use "
@@ -124,17 +130,55 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       signs = self.variable(ROTATION_COLLECTION, ROTATION_NAME,
                             lambda: random_rotation_signs(self.make_rng("params"), head_dim))
       options.update(fp8=True, signs=signs.value, fp8_backward=self.fp8_backward)
-    x = dot_product_attention(query, key, value, mask=mask, dtype=self.dtype,
-                              query_seq_lengths=query_seq_lengths,
-                              key_value_seq_lengths=key_value_seq_lengths,
-                              q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-                              **options)
+    padding = dict(query_seq_lengths=query_seq_lengths,
+                   key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
+                   kv_segment_ids=kv_segment_ids)
+    if self.decode:
+      x = self._attend_with_cache(query, key, value, mask, padding, options)
+    else:
+      x = dot_product_attention(query, key, value, mask=mask, dtype=self.dtype, **padding,
+                                **options)
 
     return nn.DenseGeneral(
         features=features, axis=(-2, -1), kernel_init=self.out_kernel_init or self.kernel_init,
         bias_init=self.out_bias_init or self.bias_init, use_bias=self.use_bias, dtype=self.dtype,
         param_dtype=self.param_dtype, precision=self.precision, dot_general=self.out_dot_general,
         dot_general_cls=self.out_dot_general_cls, name="out")(x)
+
+
+  def _attend_with_cache(self, query, key, value, mask, padding, options):
+    """decode=True, with Flax's cache variables ('cache': cached_key, cached_value, cache_index,
+    so Flax's own cache utilities see the same tree). The first call (init) sizes the cache from
+    its input and attends as without decode; every later call appends its tokens at
+    cache_index and attends over the cache (jax_fa3.flash_attention_with_kvcache)."""
+    given = [name for name, x in padding.items() if x is not None]
+    if mask is not None or given:
+      raise ValueError(f"decode=True takes no {'mask' if mask is not None else given[0]}: each "
+                       f"call's queries see the cache up to their own position")
+    initialized = self.has_variable("cache", "cached_key")
+    cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+    cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+    cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
+    if not initialized:
+      return dot_product_attention(query, key, value, dtype=self.dtype, **options)
+    *batch, capacity, kv_heads, head_dim = cached_key.value.shape
+    if tuple(key.shape[:-3]) != tuple(batch) or key.shape[-2:] != (kv_heads, head_dim):
+      raise ValueError(f"decode=True: the inputs' batch dims and heads must match the cache's "
+                       f"{tuple(cached_key.value.shape)} (batch..., max_length, heads, head_dim), "
+                       f"got keys of shape {tuple(key.shape)}")
+    rows = math.prod(batch)
+    flat = lambda x: jnp.reshape(x, (rows,) + x.shape[-3:])
+    lengths = jnp.full((rows,), cache_index.value, jnp.int32)
+    options = {k: v for k, v in options.items() if k in ("causal", "window_size", "softcap",
+                                                         "softmax_scale")}
+    out, new_key, new_value = flash_attention_with_kvcache(
+        flat(query.astype(cached_key.value.dtype)), flat(cached_key.value),
+        flat(cached_value.value), flat(key.astype(cached_key.value.dtype)),
+        flat(value.astype(cached_key.value.dtype)), cache_seqlens=lengths, **options)
+    cached_key.value = jnp.reshape(new_key, cached_key.value.shape)
+    cached_value.value = jnp.reshape(new_value, cached_value.value.shape)
+    cache_index.value = cache_index.value + key.shape[-3]
+    return jnp.reshape(out, query.shape).astype(query.dtype)
 
 
 class MultiHeadAttention(MultiHeadDotProductAttention):
