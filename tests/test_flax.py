@@ -354,10 +354,12 @@ def test_layers_refuse_what_they_cannot_honour():
     fx.MultiHeadAttention(2, 16, attention_fn=nnx.dot_product_attention, rngs=nnx.Rngs(0))
   # nnx layers run eagerly here; the errors come before any attention is computed.
   model = fx.MultiHeadAttention(2, 16, dropout_rate=0.1, rngs=nnx.Rngs(0))
-  with pytest.raises(NotImplementedError, match="decode"):
-    model.init_cache((1, 8, 16))
-  with pytest.raises(NotImplementedError, match="decode"):
-    fx.MultiHeadAttention(2, 16, decode=True, rngs=nnx.Rngs(0))
+  with pytest.raises(NotImplementedError, match="decode with fp8=True"):
+    fx.MultiHeadAttention(2, 16, fp8=True, rngs=nnx.Rngs(0)).init_cache((1, 8, 16))
+  with pytest.raises(NotImplementedError, match="decode with fp8=True"):
+    fx.MultiHeadAttention(2, 16, decode=True, fp8=True, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="cache not initialized"):
+    fx.MultiHeadAttention(2, 16, decode=True, rngs=nnx.Rngs(0))(jnp.zeros((1, 1, 16), F32))
   with pytest.raises(ValueError, match="fp8_backward must be one of"):
     fx.MultiHeadAttention(2, 16, fp8=True, fp8_backward="exact", rngs=nnx.Rngs(0))
   x = jnp.zeros(x.shape, F32)

@@ -220,3 +220,24 @@ def test_linen_decode_refuses_masks_and_fp8():
   with pytest.raises(ValueError, match="decode=True takes no key_value_seq_lengths"):
     layer.apply(variables, x[:, :1], key_value_seq_lengths=jnp.ones((1,), jnp.int32),
                 mutable=["cache"])
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_nnx_decode_matches_the_full_causal_call(chunk):
+  import jax_fa3.flax as fx  # noqa: PLC0415
+  from flax import nnx  # noqa: PLC0415
+  from jax_fa3.flax.nnx_layers import _FLAX_HAS_GQA  # noqa: PLC0415
+  if not _FLAX_HAS_GQA:
+    pytest.skip("jax_fa3.flax.MultiHeadAttention needs flax >= 0.12.6")
+  rng = np.random.default_rng(10)
+  x = jnp.asarray(rng.standard_normal((2, 12, 32)), jnp.float32)
+  model = fx.MultiHeadAttention(4, 32, num_kv_heads=2, causal=True, rngs=nnx.Rngs(0))
+  want = model(x)
+  model.init_cache(x.shape)
+  step = nnx.jit(lambda m, x: m(x, decode=True))
+  outs = [step(model, x[:, t:t + chunk]) for t in range(0, 12, chunk)]
+  assert int(model.cache_index[...]) == 12
+  np.testing.assert_allclose(np.asarray(jnp.concatenate(outs, axis=1)), np.asarray(want),
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="decode=True takes no mask"):
+    model(x[:, :1], decode=True, mask=jnp.ones((2, 1, 1, 12), bool))

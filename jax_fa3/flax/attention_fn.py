@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jax_fa3.attention import flash_attention
 from jax_fa3.fp8 import flash_attention_fp8
+from jax_fa3.kvcache import flash_attention_with_kvcache
 from jax_fa3._validation import check_bool, check_fp8_backward, check_softcap, check_window
 
 _PARTIAL_HINT = "functools.partial(jax_fa3.flax.dot_product_attention, causal=True)"
@@ -200,3 +201,24 @@ def _flat_padding(batch_shape, q_length, kv_length, **padding) -> dict:
                        f"{getattr(x, 'shape', type(x).__name__)}")
     flat[name] = jnp.reshape(x, (math.prod(batch_shape),) + per_row)
   return flat
+
+
+def attend_with_cache(query, key, value, cache_key, cache_value, cache_index, *, causal,
+                      window_size, softcap, softmax_scale):
+  """The layers' decode step: query/key/value (batch..., length, heads, head_dim) appended to the
+  (batch..., max_length, kv_heads, head_dim) caches at cache_index and attended over them
+  (jax_fa3.flash_attention_with_kvcache). Returns (out like query, new cache_key, new
+  cache_value)."""
+  *batch, _, kv_heads, head_dim = cache_key.shape
+  if tuple(key.shape[:-3]) != tuple(batch) or key.shape[-2:] != (kv_heads, head_dim):
+    raise ValueError(f"decode=True: the inputs' batch dims and heads must match the cache's "
+                     f"{tuple(cache_key.shape)} (batch..., max_length, heads, head_dim), got keys "
+                     f"of shape {tuple(key.shape)}")
+  rows = math.prod(batch)
+  flat = lambda x: jnp.reshape(x.astype(cache_key.dtype), (rows,) + x.shape[-3:])
+  out, new_key, new_value = flash_attention_with_kvcache(
+      flat(query), flat(cache_key), flat(cache_value), flat(key), flat(value),
+      cache_seqlens=jnp.full((rows,), cache_index, jnp.int32), causal=causal,
+      window_size=window_size, softcap=softcap, softmax_scale=softmax_scale)
+  return (jnp.reshape(out, query.shape).astype(query.dtype),
+          jnp.reshape(new_key, cache_key.shape), jnp.reshape(new_value, cache_value.shape))

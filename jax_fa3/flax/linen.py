@@ -9,16 +9,14 @@ in the 'fp8_rotation' collection, not in 'params').
 from __future__ import annotations
 
 import functools
-import math
 
 import flax.linen as nn
 import jax.numpy as jnp
 from flax.linen.attention import dot_product_attention as _flax_default_attention
 
 from jax_fa3._validation import check_softcap, check_window
-from jax_fa3.kvcache import flash_attention_with_kvcache
-from jax_fa3.flax.attention_fn import (check_no_dropout, check_no_weights_introspection,
-                                       dot_product_attention)
+from jax_fa3.flax.attention_fn import (attend_with_cache, check_no_dropout,
+                                       check_no_weights_introspection, dot_product_attention)
 from jax_fa3.flax.rotation import ROTATION_COLLECTION, ROTATION_NAME, random_rotation_signs
 
 
@@ -161,24 +159,12 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     cache_index = self.variable("cache", "cache_index", lambda: jnp.array(0, dtype=jnp.int32))
     if not initialized:
       return dot_product_attention(query, key, value, dtype=self.dtype, **options)
-    *batch, capacity, kv_heads, head_dim = cached_key.value.shape
-    if tuple(key.shape[:-3]) != tuple(batch) or key.shape[-2:] != (kv_heads, head_dim):
-      raise ValueError(f"decode=True: the inputs' batch dims and heads must match the cache's "
-                       f"{tuple(cached_key.value.shape)} (batch..., max_length, heads, head_dim), "
-                       f"got keys of shape {tuple(key.shape)}")
-    rows = math.prod(batch)
-    flat = lambda x: jnp.reshape(x, (rows,) + x.shape[-3:])
-    lengths = jnp.full((rows,), cache_index.value, jnp.int32)
     options = {k: v for k, v in options.items() if k in ("causal", "window_size", "softcap",
                                                          "softmax_scale")}
-    out, new_key, new_value = flash_attention_with_kvcache(
-        flat(query.astype(cached_key.value.dtype)), flat(cached_key.value),
-        flat(cached_value.value), flat(key.astype(cached_key.value.dtype)),
-        flat(value.astype(cached_key.value.dtype)), cache_seqlens=lengths, **options)
-    cached_key.value = jnp.reshape(new_key, cached_key.value.shape)
-    cached_value.value = jnp.reshape(new_value, cached_value.value.shape)
+    out, cached_key.value, cached_value.value = attend_with_cache(
+        query, key, value, cached_key.value, cached_value.value, cache_index.value, **options)
     cache_index.value = cache_index.value + key.shape[-3]
-    return jnp.reshape(out, query.shape).astype(query.dtype)
+    return out
 
 
 class MultiHeadAttention(MultiHeadDotProductAttention):

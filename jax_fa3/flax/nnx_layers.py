@@ -11,15 +11,16 @@ import functools
 import inspect
 
 import flax
+import jax.numpy as jnp
 from flax import nnx
 
 from jax_fa3._validation import check_bool, check_fp8_backward, check_softcap, check_window
-from jax_fa3.flax.attention_fn import dot_product_attention
+from jax_fa3.flax.attention_fn import (attend_with_cache, check_no_dropout,
+                                       check_no_weights_introspection, dot_product_attention)
 from jax_fa3.flax.rotation import random_rotation_signs
 
-_NO_DECODE = ("jax_fa3.flax.MultiHeadAttention does not support decode=True (a KV cache needs a "
-              "per-step mask); use flax.nnx.MultiHeadAttention for cached decoding — the "
-              "parameter tree is the same")
+_NO_FP8_DECODE = ("jax_fa3.flax.MultiHeadAttention: decode with fp8=True is not supported yet (no "
+                  "FP8 KV cache); decode in bf16 with the same parameters (fp8=False)")
 
 
 _CALL_PADDING: contextvars.ContextVar[dict] = contextvars.ContextVar("jax_fa3_nnx_padding",
@@ -47,9 +48,12 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     fp8_backward: with fp8, flash_attention_fp8's `backward`: "bf16" (default; from the fp8
       forward's statistics, no second forward) or "recompute" (flash_attention's exact gradient).
 
+  decode=True: after Flax's init_cache, each call appends its tokens (one or a chunk) to the
+  cache and attends over it (jax_fa3.flash_attention_with_kvcache).
+
   Mask arrays (padded or packed rows take the call's query_seq_lengths / key_value_seq_lengths /
-  q_segment_ids / kv_segment_ids instead), attention dropout, sow_weights and decode are refused
-  (ValueError/NotImplementedError).
+  q_segment_ids / kv_segment_ids instead), attention dropout, sow_weights and decode with fp8 are
+  refused (ValueError/NotImplementedError).
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -63,8 +67,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
           "jax_fa3.flax.MultiHeadAttention always runs jax_fa3 attention; for another "
           "attention_fn use flax.nnx.MultiHeadAttention(attention_fn=...), whose parameter tree "
           "is the same")
-    if kwargs.setdefault("decode", False):  # Flax's None would demand decode= at every call
-      raise NotImplementedError(_NO_DECODE)
+    if kwargs.setdefault("decode", False) and fp8:  # Flax's None would demand decode= per call
+      raise NotImplementedError(_NO_FP8_DECODE)
     # Static options, read by the attention_fn property at call time.
     self.causal = check_bool("causal", causal)
     self.window_size = check_window(window_size)
@@ -95,11 +99,43 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
                                        ("kv_segment_ids", kv_segment_ids)) if x is not None}
     # Flax's call reaches attention_fn with its own fixed arguments; the padding arrays ride in a
     # context variable for this call only (no module state to mutate under nnx transforms).
+    decode = kwargs.pop("decode", None)
+    if decode if decode is not None else self.decode:
+      return self._decode(inputs_q, inputs_k, inputs_v, padding, **kwargs)
     token = _CALL_PADDING.set(padding)
     try:
       return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
     finally:
       _CALL_PADDING.reset(token)
+
+  def _decode(self, inputs_q, inputs_k, inputs_v, padding, *, mask=None, deterministic=None,
+              rngs=None, sow_weights=False, **unused):
+    """decode=True: Flax's projections, then this call's tokens appended to the cache of
+    `init_cache` (Flax's variables) at cache_index and attended over it through
+    jax_fa3.flash_attention_with_kvcache; one token or a chunk per call."""
+    del rngs, unused
+    if self.fp8:
+      raise NotImplementedError(_NO_FP8_DECODE)
+    given = ["mask"] * (mask is not None) + list(padding)
+    if given:
+      raise ValueError(f"decode=True takes no {given[0]}: each call's queries see the cache up to "
+                       f"their own position")
+    check_no_weights_introspection(self if sow_weights else None)
+    check_no_dropout(self.dropout_rate, deterministic if deterministic is not None
+                     else self.deterministic)
+    if getattr(self, "cached_key", None) is None:
+      raise ValueError("Autoregressive cache not initialized: call init_cache(input_shape) first")
+    inputs_k = inputs_q if inputs_k is None else inputs_k
+    inputs_v = inputs_k if inputs_v is None else inputs_v
+    query, key, value = self.query(inputs_q), self.key(inputs_k), self.value(inputs_v)
+    if self.normalize_qk:
+      query, key = self.query_ln(query), self.key_ln(key)
+    out, self.cached_key[...], self.cached_value[...] = attend_with_cache(
+        query, key, value, self.cached_key[...], self.cached_value[...], self.cache_index[...],
+        causal=self.causal, window_size=self.window_size, softcap=self.softcap,
+        softmax_scale=self.softmax_scale)
+    self.cache_index[...] += key.shape[-3]
+    return self.out(out)
 
   @property
   def attention_fn(self):
@@ -114,4 +150,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     del value
 
   def init_cache(self, input_shape, dtype=None):
-    raise NotImplementedError(_NO_DECODE)
+    """Flax's cache for decode=True ((batch..., max_length, features) inputs)."""
+    if self.fp8:
+      raise NotImplementedError(_NO_FP8_DECODE)
+    return super().init_cache(input_shape, dtype=jnp.float32 if dtype is None else dtype)
