@@ -1,0 +1,137 @@
+"""Decoding against a KV cache: µs per call and the HBM bandwidth it achieves, beside cuDNN and XLA.
+
+One new query token per row (s_q = 1), d = 128, 32 query heads over 4 kv heads (GQA 8:1), bf16,
+every row's cache full to the given length. Peers, same shapes, same cache:
+`jax_fa3` (`flash_attention_with_kvcache`, attend only), `jax_fa3_append` (the same call also
+appending the token's k/v, caches donated), `cudnn` / `xla` (`jax.nn.dot_product_attention` with
+`key_value_seq_lengths`). Bandwidth counts the K and V bytes a call must read (batch · length ·
+kv_heads · d · 2 tensors · 2 bytes) over its time; `copy` is the measured device copy bandwidth
+(read + write of a 2 GiB buffer), the ceiling decoding can approach.
+
+  python benchmarks/bench_decode.py [--batches 1,8,64] [--caches 1024,8192,32768,131072]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_fa3
+from jax_fa3 import _bench
+
+HEADS, KV_HEADS, D = 32, 4, 128
+
+
+def copy_bandwidth(min_time) -> float:
+  """Bytes read + written per second by a device copy of a 2 GiB buffer (256 MiB off-GPU)."""
+  size = 2**30 if jax.default_backend() == "gpu" else 2**27
+  x = jnp.ones((size // 2,), jnp.bfloat16)
+  copy = jax.jit(lambda x: x * jnp.bfloat16(1.0) + jnp.bfloat16(0.0))  # one read, one write
+  return 2 * x.nbytes / _bench.median_seconds(copy, x, min_time=min_time)
+
+
+def _peers():
+  def ours(q, k_cache, v_cache, lengths):
+    return jax_fa3.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths)
+
+  def ours_append(q, k_cache, v_cache, lengths, k_new, v_new):
+    return jax_fa3.flash_attention_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                                cache_seqlens=lengths - 1)
+
+  def dpa(implementation):
+    def call(q, k_cache, v_cache, lengths):
+      return jax.nn.dot_product_attention(q, k_cache, v_cache, key_value_seq_lengths=lengths,
+                                          implementation=implementation)
+    return call
+
+  peers = {"jax_fa3": (jax.jit(ours), False),
+           "jax_fa3_append": (jax.jit(ours_append, donate_argnums=(1, 2)), True),
+           "xla": (jax.jit(dpa("xla")), False)}
+  if jax.default_backend() == "gpu":
+    peers["cudnn"] = (jax.jit(dpa("cudnn")), False)
+  return peers
+
+
+def run(batches, caches, min_time):
+  rows = []
+  for b in batches:
+    for s in caches:
+      key = jax.random.PRNGKey(b * 7 + s)
+      kq, kk, kv, kn = jax.random.split(key, 4)
+      q = jax.random.normal(kq, (b, 1, HEADS, D), jnp.float32).astype(jnp.bfloat16)
+      lengths = jnp.full((b,), s, jnp.int32)
+      new = [jax.random.normal(kn, (b, 1, KV_HEADS, D), jnp.float32).astype(jnp.bfloat16)] * 2
+      cache_bytes = b * s * KV_HEADS * D * 2 * 2
+      reference = None
+      for name, (fn, appends) in _peers().items():
+        row = dict(peer=name, batch=b, cache=s, d=D, heads=HEADS, kv_heads=KV_HEADS)
+        # Fresh caches per peer (the appending peer donates and so consumes them).
+        k_cache = jax.random.normal(kk, (b, s, KV_HEADS, D), jnp.float32).astype(jnp.bfloat16)
+        v_cache = jax.random.normal(kv, (b, s, KV_HEADS, D), jnp.float32).astype(jnp.bfloat16)
+        try:
+          if appends:
+            state = {"k": k_cache, "v": v_cache}
+
+            def step(state=state, fn=fn):
+              out, state["k"], state["v"] = fn(q, state["k"], state["v"], lengths, *new)
+              return out
+            out = step()
+            seconds = _bench.median_seconds(step, min_time=min_time)
+          else:
+            out = fn(q, k_cache, v_cache, lengths)
+            seconds = _bench.median_seconds(fn, q, k_cache, v_cache, lengths, min_time=min_time)
+          out = np.asarray(out, np.float32)
+          if reference is None:
+            reference = out
+          elif not appends:  # the appending peer attends over its own new token
+            row["max_abs_diff"] = float(np.max(np.abs(out - reference)))
+          row.update(us=seconds * 1e6, gb_per_s=cache_bytes / seconds / 1e9)
+        except Exception as e:  # noqa: BLE001 (one failing peer must not hide the rest)
+          row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+  return rows
+
+
+def table(rows, copy_gbs) -> str:
+  peers = sorted({r["peer"] for r in rows}, key=lambda p: (not p.startswith("jax_fa3"), p))
+  lines = ["| batch | cache | " + " | ".join(f"{p} µs (GB/s)" for p in peers) + " |",
+           "|---|---|" + "---|" * len(peers)]
+  for b, s in sorted({(r["batch"], r["cache"]) for r in rows}):
+    cells = []
+    for p in peers:
+      r = next((r for r in rows if (r["peer"], r["batch"], r["cache"]) == (p, b, s)), None)
+      cells.append("—" if r is None or "us" not in r else f"{r['us']:.1f} ({r['gb_per_s']:.0f})")
+    lines.append(f"| {b} | {s} | " + " | ".join(cells) + " |")
+  lines.append(f"\ncopy bandwidth (read + write): {copy_gbs:.0f} GB/s")
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--batches", default="1,8,64")
+  parser.add_argument("--caches", default="1024,8192,32768,131072")
+  parser.add_argument("--min-time", type=float, default=0.2)
+  parser.add_argument("--json", default="bench_decode.json")
+  args = parser.parse_args()
+  header = dict(date=str(datetime.datetime.now(datetime.timezone.utc).date()),
+                device=jax.devices()[0].device_kind, jax=jax.__version__,
+                kernels=jax_fa3.kernels_available(), python=platform.python_version())
+  print(json.dumps(header))
+  copy_gbs = copy_bandwidth(args.min_time) / 1e9
+  rows = run([int(x) for x in args.batches.split(",")], [int(x) for x in args.caches.split(",")],
+             args.min_time)
+  with open(args.json, "w") as f:
+    json.dump(dict(header=header, copy_gb_per_s=copy_gbs, rows=rows), f, indent=1)
+  print(f"\n{header}\ndecode, one query per row, d={D}, {HEADS} heads / {KV_HEADS} kv heads\n"
+        f"{table(rows, copy_gbs)}")
+
+
+if __name__ == "__main__":
+  main()
