@@ -12,7 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_fa3 import _fp8_quantize
 from jax_fa3.attention import flash_attention
+from jax_fa3._config import DEFAULT_BLOCK_SIZE
+from jax_fa3._fp8_quantize import E4M3
 from jax_fa3._validation import check_array, check_attention_dtypes
 
 _TOKEN, _KEY_PAD = 0, 2  # segment ids: real keys (and every query), cache slots past a row's length
@@ -94,16 +97,67 @@ def _append(cache, new, first, slots):
   return cache.at[target, position].set(new.astype(cache.dtype), mode="drop")
 
 
+def _is_pair(x) -> bool:
+  return isinstance(x, (tuple, list))
+
+
+def _check_fp8_cache(name, cache, block_size):
+  """(values, scales) of an e4m3 cache, checked: scales (rows, heads_k, ceil(slots / block))."""
+  if len(cache) != 2:
+    raise TypeError(f"an fp8 {name} must be a (values, scales) pair, got {len(cache)} items")
+  values, scales = cache
+  check_array(f"{name} values", values, rank=4)
+  if values.dtype != np.dtype(E4M3):
+    raise TypeError(f"{name} values must be float8_e4m3fn, got {values.dtype}")
+  check_array(f"{name} scales", scales)
+  if scales.dtype != np.dtype(jnp.float32):
+    raise TypeError(f"{name} scales must be float32, got {scales.dtype}")
+  rows, slots, heads, _ = values.shape
+  expected = (rows, heads, -(-slots // block_size))
+  if tuple(scales.shape) != expected:
+    raise ValueError(f"{name} scales must have shape {expected} (rows or pages, heads_k, blocks "
+                     f"of {block_size} slots; quantize_fp8(cache, block_size={block_size})), got "
+                     f"{tuple(scales.shape)}")
+  return values, scales
+
+
+def _dequantize(values, scales, block_size):
+  return values.astype(jnp.float32) * _fp8_quantize.per_token(scales, block_size, values.shape[1])
+
+
+def _append_fp8(cache, new, first, slots, block_size):
+  """Appends to an e4m3 (values, scales) cache: the blocks the new tokens land in are
+  re-quantized (their scale from their new contents, quantize_fp8's rule); the others keep their
+  bytes."""
+  values, scales = cache
+  appended = _append(_dequantize(values, scales, block_size), new.astype(jnp.float32), first,
+                     slots)
+  new_values, new_scales = _fp8_quantize.quantize_blocks(appended, block_size)
+  # The (row, slot) pairs written (a scatter of ones to _append's targets), then their blocks.
+  rows, slots_per_row = values.shape[:2]
+  written = _append(jnp.zeros((rows, slots_per_row, 1, 1), jnp.float32),
+                    jnp.ones(new.shape[:2] + (1, 1), jnp.float32), first, slots)[:, :, 0, 0] > 0
+  n = scales.shape[-1]
+  touched = jnp.pad(written, ((0, 0), (0, n * block_size - slots_per_row)))
+  touched = touched.reshape(rows, n, block_size).any(axis=-1)  # (rows, blocks)
+  per_slot = jnp.repeat(touched, block_size, axis=1)[:, :slots_per_row, None, None]
+  return (jnp.where(per_slot, new_values, values),
+          jnp.where(touched[:, None, :], new_scales, scales))
+
+
 def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,
                                  page_table=None, cache_batch_idx=None, softmax_scale=None,
                                  causal=False, window_size=(-1, -1), softcap=0.0, num_splits=0,
-                                 return_lse=False):
+                                 return_lse=False, block_size=DEFAULT_BLOCK_SIZE):
   """Attention of q against a KV cache, after appending k and v to it (forward only).
 
   Args:
     q: (batch, seqlen_q, heads, head_dim): the new queries (seqlen_q = 1 when decoding).
     k_cache, v_cache: contiguous (batch_cache, seqlen_cache, heads_k, head_dim), or with
-      `page_table` paged pools (num_pages, page_size, heads_k, head_dim); q's dtype.
+      `page_table` paged pools (num_pages, page_size, heads_k, head_dim); q's dtype. Or FP8
+      caches: (values, scales) pairs from `quantize_fp8(cache, block_size=block_size)`, e4m3
+      values of those shapes with one float32 scale per (row or page, kv head, block of
+      block_size slots) — half the memory of bf16.
     k, v: optional (batch, seqlen_new, heads_k, head_dim) tokens to write into the cache at
       positions cache_seqlens[r] ... cache_seqlens[r] + seqlen_new - 1 of row r before attending.
     cache_seqlens: int32 (batch,) (or a Python int for all rows): each row's valid tokens before
@@ -117,6 +171,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     num_splits: how many key ranges a kernel would split a row over (0: its choice). The result
       does not depend on it; this path ignores it.
     return_lse: also return the float32 (batch, heads, seqlen_q) log-sum-exp.
+    block_size: FP8 caches: slots per scale (default 64, quantize_fp8's). An append re-quantizes
+      the blocks it writes into (their scale from their new contents); the others keep their
+      bytes.
 
   Returns:
     out (batch, seqlen_q, heads, head_dim) in q's dtype (with the lse when return_lse), and when
@@ -133,8 +190,21 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
   paged, split-KV decoding kernels are not written yet.
   """
   check_array("q", q, rank=4)
-  check_array("v_cache", v_cache, rank=4)
-  check_attention_dtypes(q, k_cache, v_cache)
+  fp8 = _is_pair(k_cache) or _is_pair(v_cache)
+  if fp8:
+    if not (_is_pair(k_cache) and _is_pair(v_cache)):
+      raise TypeError("k_cache and v_cache must both be arrays or both (values, scales) pairs")
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or \
+        block_size < 1:
+      raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    k_cache = _check_fp8_cache("k_cache", k_cache, block_size)
+    v_cache = _check_fp8_cache("v_cache", v_cache, block_size)
+    stored_k, stored_v = k_cache, v_cache
+    k_cache, v_cache = k_cache[0], v_cache[0]  # the values carry the layout checked below
+    check_attention_dtypes(q, q, q)  # q alone: the cache is e4m3
+  else:
+    check_array("v_cache", v_cache, rank=4)
+    check_attention_dtypes(q, k_cache, v_cache)
   b, s_q, h, d = q.shape
   capacity = _layout(q, k_cache, v_cache, page_table, cache_batch_idx)
   h_k = k_cache.shape[2]
@@ -149,7 +219,10 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     if k.shape != v.shape or k.shape[0] != b or k.shape[2:] != (h_k, d):
       raise ValueError(f"k and v must have shape ({b}, seqlen_new, {h_k}, {d}), got k {k.shape} "
                        f"and v {v.shape}")
-    check_attention_dtypes(q, k, v)
+    if fp8:  # any float dtype: quantized on the way in
+      check_attention_dtypes(k, k, v)
+    else:
+      check_attention_dtypes(q, k, v)
     s_new = k.shape[1]
   if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
     raise ValueError(f"num_splits must be an int >= 0 (0: chosen by the kernel), got {num_splits!r}")
@@ -162,7 +235,13 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
                      f"{lengths.max()} with seqlen_new {s_new}")
   first = jnp.clip(jnp.asarray(cache_seqlens, jnp.int32), 0, capacity)
   slots = _slots(k_cache, page_table, cache_batch_idx, b, capacity)
-  if k is not None:
+  if fp8:
+    if k is not None:
+      stored_k = _append_fp8(stored_k, k, first, slots, block_size)
+      stored_v = _append_fp8(stored_v, v, first, slots, block_size)
+    k_cache = _dequantize(*stored_k, block_size).astype(q.dtype)
+    v_cache = _dequantize(*stored_v, block_size).astype(q.dtype)
+  elif k is not None:
     k_cache = _append(k_cache, k, first, slots)
     v_cache = _append(v_cache, v, first, slots)
   length = jnp.clip(first + s_new, 0, capacity)
@@ -184,4 +263,6 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
                            kv_segment_ids=k_segments)
   if k is None:
     return result
+  if fp8:
+    return result, tuple(stored_k), tuple(stored_v)
   return result, k_cache, v_cache

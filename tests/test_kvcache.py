@@ -241,3 +241,56 @@ def test_nnx_decode_matches_the_full_causal_call(chunk):
                              rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="decode=True takes no mask"):
     model(x[:, :1], decode=True, mask=jnp.ones((2, 1, 1, 12), bool))
+
+
+# ----------------------------------------------------------------------------- FP8 cache
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_fp8_cache_appends_and_attends(paged):
+  # The e4m3 cache attends like the bf16 cache of its dequantized values (the pure-JAX path runs
+  # exactly that), and an append re-quantizes only the blocks it writes into.
+  q, k_cache, v_cache, k, v = _case(11, 2, 3)
+  options = {}
+  if paged:
+    (k_cache, table), (v_cache, _) = _paged(k_cache, 3), _paged(v_cache, 3)
+    options["page_table"] = table
+  block = 4 if paged else 8
+  k8, v8 = (jax_fa3.quantize_fp8(x, block_size=block) for x in (k_cache, v_cache))
+  call = jax.jit(functools.partial(jax_fa3.flash_attention_with_kvcache, causal=True,
+                                   block_size=block, **options))
+  lengths = jnp.asarray(LENGTHS)
+  out, new_k8, new_v8 = call(q, k8, v8, k, v, cache_seqlens=lengths)
+  assert new_k8[0].dtype == jnp.float8_e4m3fn and new_k8[1].shape == k8[1].shape
+  deq = lambda pair: jax_fa3.dequantize_fp8(*pair, block_size=block)
+  # Reference: the float cache of the old e4m3 values, with the float tokens appended.
+  want_k = jax.jit(functools.partial(jax_fa3.flash_attention_with_kvcache, causal=True,
+                                     **options))(q, deq(k8), deq(v8), k, v, cache_seqlens=lengths)
+  _, float_k, float_v = want_k
+  # Stored: every block the append missed is byte-identical; the written blocks hold their new
+  # contents to e4m3 precision (2^-4 relative of the block's largest element).
+  old_vals, new_vals = np.asarray(k8[0], np.float32), np.asarray(new_k8[0], np.float32)
+  changed = np.any(old_vals != new_vals, axis=(2, 3))
+  got, want = np.asarray(deq(new_k8)), np.asarray(float_k)
+  block_max = np.abs(want).reshape(got.shape[0], -1, block, *got.shape[2:]).max(axis=(2, 4),
+                                                                                 keepdims=True)
+  bound = np.broadcast_to(block_max, (got.shape[0], got.shape[1] // block, block,
+                                      *got.shape[2:])).reshape(got.shape) * 2.0**-4
+  assert np.all(np.abs(got - want) <= bound + 1e-6)
+  assert changed.any() and not changed.all()
+  # Attention over the stored e4m3 cache equals attention over its dequantized values.
+  ref = jax_fa3.flash_attention_with_kvcache(q, deq(new_k8), deq(new_v8), cache_seqlens=lengths + 3,
+                                             causal=True, **options)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-6, atol=1e-6)
+  del float_v
+
+
+def test_fp8_cache_errors():
+  k8 = jax_fa3.quantize_fp8(_KC, block_size=8)
+  v8 = jax_fa3.quantize_fp8(_VC, block_size=8)
+  with pytest.raises(TypeError, match="must both be arrays or both"):
+    jax_fa3.flash_attention_with_kvcache(_Q, k8, _VC, cache_seqlens=0, block_size=8)
+  with pytest.raises(ValueError, match=r"k_cache scales must have shape \(4, 2, 2\)"):
+    jax_fa3.flash_attention_with_kvcache(_Q, k8, v8, cache_seqlens=0, block_size=16)
+  with pytest.raises(TypeError, match="k_cache values must be float8_e4m3fn"):
+    jax_fa3.flash_attention_with_kvcache(_Q, (_KC, k8[1]), v8, cache_seqlens=0, block_size=8)
