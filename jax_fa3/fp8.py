@@ -30,7 +30,7 @@ from jax_fa3._validation import (attention_config, check_array, check_attention_
 DEFAULT_SEED = 0  # key=None means jax.random.PRNGKey(DEFAULT_SEED)
 
 
-def _check_block_size(block_size, allow_none: bool) -> int | None:
+def check_block_size(block_size, allow_none: bool) -> int | None:
   if block_size is None:
     if allow_none:
       return None
@@ -78,11 +78,11 @@ def quantize_fp8(x, *, block_size=DEFAULT_BLOCK_SIZE):
     block_size=block_size)` approximates x.
   """
   _check_4d_float("x", x, FP8_INPUT_DTYPES + (jnp.float64,))
-  block_size = _check_block_size(block_size, allow_none=True)
+  block_size = check_block_size(block_size, allow_none=True)
   return _quantize_jit(x, block_size)
 
 
-def _check_quantized(name, values, scales, block_size, allow_per_head=False):
+def check_quantized(name, values, scales, block_size, allow_per_head=False):
   """Validates a (values, scales) pair; returns scales as (b, h, n_blocks)."""
   check_array(f"{name} values", values, rank=4)
   if values.dtype != np.dtype(E4M3):
@@ -112,8 +112,8 @@ def dequantize_fp8(values, scales, *, block_size=DEFAULT_BLOCK_SIZE, dtype=jnp.f
     block_size: the block size used to quantize (default 64; None for one block per head).
     dtype: result dtype (default float32).
   """
-  block_size = _check_block_size(block_size, allow_none=True)
-  scales = _check_quantized("x", values, scales, block_size)
+  block_size = check_block_size(block_size, allow_none=True)
+  scales = check_quantized("x", values, scales, block_size)
   block = values.shape[1] if block_size is None else block_size
   per_token = _fp8_quantize.per_token(scales, block, values.shape[1])
   return (values.astype(jnp.float32) * per_token).astype(dtype)
@@ -320,7 +320,7 @@ def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_siz
   check_attention_dtypes(q, k, v, allowed=FP8_INPUT_DTYPES)
   att = attention_config(q, k, v, softmax_scale=softmax_scale, causal=causal,
                          window_size=window_size, softcap=0.0, deterministic=False)
-  cfg = Fp8Config(att, block_size=_check_block_size(block_size, allow_none=False),
+  cfg = Fp8Config(att, block_size=check_block_size(block_size, allow_none=False),
                   incoherent=incoherent, return_lse=return_lse)
   d = q.shape[-1]
   if incoherent:
@@ -359,12 +359,12 @@ def _flash_attention_prequantized(q, k, v, pairs, *, softmax_scale, causal, wind
     raise ValueError("pre-quantized q and k cannot be rotated here: rotate them with "
                      "hadamard_transform(x, signs=...) before quantize_fp8 and pass "
                      "incoherent=False")
-  block_size = _check_block_size(block_size, allow_none=False)
+  block_size = check_block_size(block_size, allow_none=False)
   (q8, q_scale), (k8, k_scale), (v8, v_scale) = q, k, v
   check_attention_shapes(q8, k8, v8)
-  q_scale = _check_quantized("q", q8, q_scale, block_size)
-  k_scale = _check_quantized("k", k8, k_scale, block_size)
-  v_scale = _check_quantized("v", v8, v_scale, None, allow_per_head=True)
+  q_scale = check_quantized("q", q8, q_scale, block_size)
+  k_scale = check_quantized("k", k8, k_scale, block_size)
+  v_scale = check_quantized("v", v8, v_scale, None, allow_per_head=True)
   v_mean = _check_v_mean(v_mean, k8)
   left, right = check_window(window_size)
   if causal:

@@ -14,8 +14,8 @@ import numpy as np
 
 from jax_fa3 import _fp8_quantize
 from jax_fa3.attention import flash_attention
+from jax_fa3.fp8 import check_block_size, check_quantized
 from jax_fa3._config import DEFAULT_BLOCK_SIZE
-from jax_fa3._fp8_quantize import E4M3
 from jax_fa3._validation import check_array, check_attention_dtypes
 
 _TOKEN, _KEY_PAD = 0, 2  # segment ids: real keys (and every query), cache slots past a row's length
@@ -102,23 +102,11 @@ def _is_pair(x) -> bool:
 
 
 def _check_fp8_cache(name, cache, block_size):
-  """(values, scales) of an e4m3 cache, checked: scales (rows, heads_k, ceil(slots / block))."""
+  """(values, scales) of an e4m3 cache: scales (rows or pages, heads_k, ceil(slots / block))."""
   if len(cache) != 2:
     raise TypeError(f"an fp8 {name} must be a (values, scales) pair, got {len(cache)} items")
   values, scales = cache
-  check_array(f"{name} values", values, rank=4)
-  if values.dtype != np.dtype(E4M3):
-    raise TypeError(f"{name} values must be float8_e4m3fn, got {values.dtype}")
-  check_array(f"{name} scales", scales)
-  if scales.dtype != np.dtype(jnp.float32):
-    raise TypeError(f"{name} scales must be float32, got {scales.dtype}")
-  rows, slots, heads, _ = values.shape
-  expected = (rows, heads, -(-slots // block_size))
-  if tuple(scales.shape) != expected:
-    raise ValueError(f"{name} scales must have shape {expected} (rows or pages, heads_k, blocks "
-                     f"of {block_size} slots; quantize_fp8(cache, block_size={block_size})), got "
-                     f"{tuple(scales.shape)}")
-  return values, scales
+  return values, check_quantized(name, values, scales, block_size)
 
 
 def _dequantize(values, scales, block_size):
@@ -194,9 +182,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
   if fp8:
     if not (_is_pair(k_cache) and _is_pair(v_cache)):
       raise TypeError("k_cache and v_cache must both be arrays or both (values, scales) pairs")
-    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or \
-        block_size < 1:
-      raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    block_size = check_block_size(block_size, allow_none=False)
     k_cache = _check_fp8_cache("k_cache", k_cache, block_size)
     v_cache = _check_fp8_cache("v_cache", v_cache, block_size)
     stored_k, stored_v = k_cache, v_cache
