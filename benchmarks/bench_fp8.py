@@ -1,0 +1,107 @@
+"""FP8 forward: what a user's call costs against the kernel alone, cuDNN's fp8 and our bf16.
+
+Per head dim, causal or not and seqlen (16k tokens per call, width 2048): our bf16 forward,
+`flash_attention_fp8(q, k, v)` from bf16 (rotation, quantization, kernel: what the Flax FP8 mode
+runs), the fp8 kernel on pre-quantized inputs (v already in its layout), cuDNN's fp8 (per-tensor
+scales, pre-quantized), and the preparation pass alone (fused rotate + quantize of q, k, v). Every
+peer's output is checked against the fp32 reference first (fp8: within 0.1 relative). The peers
+come from `bench_attention.py`, which this script runs with the fp8 set.
+
+  python benchmarks/bench_fp8.py [--head-dims 128,256] [--seqlens 4096,8192,16384] \
+      [--json out.json] [--png out.png]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import bench_attention  # noqa: E402
+
+import jax_fa3  # noqa: E402
+
+PEERS = ("jax_fa3", "jax_fa3_fp8_e2e", "jax_fa3_fp8_vt", "cudnn_fp8")
+
+
+def _row(rows, peer, d, causal, s):
+  return next((r for r in rows if (r["peer"], r["d"], r["causal"], r["seqlen"]) ==
+               (peer, d, causal, s)), {})
+
+
+def table(rows, prep) -> str:
+  lines = ["| d | causal | seqlen | bf16 ms | fp8 from bf16 ms | pre-quantized ms (TFLOP/s) | "
+           "cuDNN fp8 TFLOP/s | prep pass µs | from bf16 ÷ pre-quantized | fp8 from bf16 vs "
+           "bf16 | vs cuDNN fp8 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+  fmt = lambda x, spec: "—" if x is None else format(x, spec)
+  times = lambda x: "—" if x is None else f"{x:.2f}×"
+  for d, causal, s in sorted({(r["d"], r["causal"], r["seqlen"]) for r in rows}):
+    bf16, e2e, pre, cudnn = (_row(rows, p, d, causal, s) for p in PEERS)
+    p = next((x for x in prep if (x["d"], x["seqlen"]) == (d, s)), {})
+    ratio = lambda a, b: (None if a.get("fwd_ms") is None or b.get("fwd_ms") is None
+                          else a["fwd_ms"] / b["fwd_ms"])
+    lines.append(
+        f"| {d} | {causal} | {s} | {fmt(bf16.get('fwd_ms'), '.3f')} | "
+        f"{fmt(e2e.get('fwd_ms'), '.3f')} | {fmt(pre.get('fwd_ms'), '.3f')} "
+        f"({fmt(pre.get('fwd_tflops'), '.0f')}) | {fmt(cudnn.get('fwd_tflops'), '.0f')} | "
+        f"{fmt(p.get('fused_us'), '.0f')} | {times(ratio(e2e, pre))} | "
+        f"{times(ratio(bf16, e2e))} | {times(ratio(cudnn, e2e))} |")
+  return "\n".join(lines)
+
+
+def plot(rows, path):
+  import matplotlib  # noqa: PLC0415
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # noqa: PLC0415
+  combos = sorted({(r["d"], r["causal"]) for r in rows})
+  fig, axes = plt.subplots(1, len(combos), figsize=(4 * len(combos), 3.5), squeeze=False)
+  for ax, (d, causal) in zip(axes[0], combos):
+    for peer in PEERS:
+      pts = [(r["seqlen"], r["fwd_tflops"]) for r in rows if r["peer"] == peer and
+             (r["d"], r["causal"]) == (d, causal) and r.get("fwd_tflops")]
+      if pts:
+        ax.plot(*zip(*sorted(pts)), marker="o", label=peer)
+    ax.set_xscale("log", base=2)
+    ax.set(title=f"fp8 fwd d={d} {'causal' if causal else 'non-causal'}", xlabel="seqlen",
+           ylabel="TFLOP/s (bf16 count)")
+  axes[0][0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--head-dims", default="128,256")
+  parser.add_argument("--seqlens", default="4096,8192,16384")
+  parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+  parser.add_argument("--min-time", type=float, default=0.2)
+  parser.add_argument("--json", default="bench_fp8.json")
+  parser.add_argument("--png", default="bench_fp8.png")
+  args = parser.parse_args()
+  header = dict(date=bench_attention.datetime.datetime.now(
+      bench_attention.datetime.timezone.utc).date().isoformat(), commit=bench_attention._commit(),
+      device=jax.devices()[0].device_kind, jax=jax.__version__,
+      kernels=jax_fa3.kernels_available())
+  print(json.dumps(header))
+  head_dims = [int(x) for x in args.head_dims.split(",")]
+  seqlens = [int(x) for x in args.seqlens.split(",")]
+  causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+  rows = bench_attention.run(head_dims, seqlens, ("fwd",), jnp.dtype(jnp.bfloat16),
+                             args.min_time, causal, set(PEERS))
+  prep = bench_attention.prep_rows(head_dims, seqlens, args.min_time) if \
+      jax_fa3.kernels_available() else []
+  with open(args.json, "w") as f:
+    json.dump(dict(header=header, rows=rows, fp8_prep=prep), f, indent=1)
+  try:
+    plot(rows, args.png)
+  except ImportError:
+    print("matplotlib missing: no plot")
+  print(f"\n{header}\nfp8 forward, bf16 inputs, 16k tokens per call\n{table(rows, prep)}")
+
+
+if __name__ == "__main__":
+  main()
