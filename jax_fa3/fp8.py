@@ -140,7 +140,7 @@ def _fp8_from_float(q, k, v, signs, cfg: Fp8Config, with_operands=False):
 
 
 # ---------------------------------------------------------------------------------------------
-# Differentiation: straight-through to the unquantized attention
+# Differentiation: the bf16 backward kernel, at the quantized operands or recomputing
 # ---------------------------------------------------------------------------------------------
 
 # "bf16": the bf16/fp16/fp32 backward kernel at the operands the fp8 kernel multiplied — q and k
