@@ -225,8 +225,6 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     if k is not None:
       stored_k = _append_fp8(stored_k, k, first, slots, block_size)
       stored_v = _append_fp8(stored_v, v, first, slots, block_size)
-    k_cache = _dequantize(*stored_k, block_size).astype(q.dtype)
-    v_cache = _dequantize(*stored_v, block_size).astype(q.dtype)
   elif k is not None:
     k_cache = _append(k_cache, k, first, slots)
     v_cache = _append(v_cache, v, first, slots)
@@ -240,7 +238,14 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
   pick = jnp.clip(logical, 0, capacity - 1)
   rows = jnp.clip(jnp.take_along_axis(where, pick, axis=1), 0, k_cache.shape[0] - 1)
   positions = jnp.take_along_axis(offset, pick, axis=1)
-  keys, values = k_cache[rows, positions], v_cache[rows, positions]
+  if fp8:  # gathered, then dequantized: only the visible slots are expanded
+    def gather(stored):
+      values, scales = stored
+      slot_scales = jnp.swapaxes(scales, 1, 2)[rows, positions // block_size]  # (b, cap, h_k)
+      return (values[rows, positions].astype(jnp.float32) * slot_scales[..., None]).astype(q.dtype)
+    keys, values = gather(stored_k), gather(stored_v)
+  else:
+    keys, values = k_cache[rows, positions], v_cache[rows, positions]
   k_segments = jnp.where(real, _TOKEN, _KEY_PAD).astype(jnp.int32)
   q_segments = jnp.full((b, s_q), _TOKEN, jnp.int32)
   result = flash_attention(q, jax.lax.stop_gradient(keys), jax.lax.stop_gradient(values),
