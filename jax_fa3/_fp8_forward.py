@@ -118,42 +118,38 @@ def dequantized(values, scales, cfg: Fp8Config, dtype):
   return (values.astype(jnp.float32) * per_token).astype(dtype)
 
 
-def _kernel_from_float(q, k, v, signs, cfg: Fp8Config, with_operands: bool):
-  """The GPU branch: q, k quantized as everywhere, v centred straight into the kernel's layout."""
+def _kernel_from_float(q, k, v, signs, cfg: Fp8Config):
+  """The GPU branch: q, k quantized as everywhere, v centred straight into the kernel's layout.
+  Returns (out, lse, q8, q_scale, k8, k_scale)."""
   q8, q_scale = _fp8_quantize.rotate_quantize(q, signs, cfg.incoherent, cfg.block_size)
   k8, k_scale = _fp8_quantize.rotate_quantize(k, signs, cfg.incoherent, cfg.block_size)
   vt, v_scale, v_mean = _fp8_quantize.centre_v_kernel_layout(v)
   out, lse = kernel_forward(cfg, v_transposed=True)(q8, k8, vt, q_scale, k_scale, v_scale, v_mean)
-  if not with_operands:
-    return out, lse
-  return (out, lse, dequantized(q8, q_scale, cfg, q.dtype), dequantized(k8, k_scale, cfg, k.dtype))
+  return out, lse, q8, q_scale, k8, k_scale
 
 
-def _float_path(q, k, v, signs, cfg: Fp8Config, with_operands: bool):
+def _float_path(q, k, v, signs, cfg: Fp8Config):
   q8, k8, v8, q_scale, k_scale, v_scale, v_mean = _fp8_quantize.rotate_and_quantize(
       q, k, v, signs, cfg.incoherent, cfg.block_size)
   out, lse = fp8_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg, v_mean=v_mean)
-  if not with_operands:
-    return out, lse
-  return (out, lse, dequantized(q8, q_scale, cfg, q.dtype), dequantized(k8, k_scale, cfg, k.dtype))
+  return out, lse, q8, q_scale, k8, k_scale
 
 
-@functools.partial(jax.jit, static_argnums=(4, 5))
-def _kernel_from_float_jit(q, k, v, signs, cfg: Fp8Config, with_operands: bool):
+@functools.partial(jax.jit, static_argnums=(4,))
+def _kernel_from_float_jit(q, k, v, signs, cfg: Fp8Config):
   _ffi.ensure_registered()
-  options = dict(cfg=cfg, with_operands=with_operands)
   return lax.platform_dependent(q, k, v, signs,
-                                cuda=functools.partial(_kernel_from_float, **options),
-                                default=functools.partial(_float_path, **options))
+                                cuda=functools.partial(_kernel_from_float, cfg=cfg),
+                                default=functools.partial(_float_path, cfg=cfg))
 
 
 def _from_float(q, k, v, signs, cfg: Fp8Config, with_operands: bool):
-  if v_transposed_by_quantize(v, cfg):
-    results = _kernel_from_float_jit(q, k, v, signs, cfg, with_operands)
-  else:
-    results = _float_path(q, k, v, signs, cfg, with_operands)
-  out, lse, *operands = results
-  return (out.astype(q.dtype), lse, *operands)
+  path = _kernel_from_float_jit if v_transposed_by_quantize(v, cfg) else _float_path
+  out, lse, q8, q_scale, k8, k_scale = path(q, k, v, signs, cfg)
+  if not with_operands:
+    return out.astype(q.dtype), lse
+  return (out.astype(q.dtype), lse, dequantized(q8, q_scale, cfg, q.dtype),
+          dequantized(k8, k_scale, cfg, k.dtype))
 
 
 def forward_from_float_local(q, k, v, signs, cfg: Fp8Config):

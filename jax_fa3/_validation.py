@@ -128,7 +128,17 @@ def check_fp8_backward(backward, name="backward") -> str:
   return backward
 
 
-def _check_int_array(name: str, x: Any, shape: tuple, meaning: str) -> None:
+def concrete(x):
+  """x as a NumPy array when its values are known at trace time, else None (a tracer)."""
+  try:
+    return np.asarray(x)
+  except Exception:  # noqa: BLE001 (jax.errors.TracerArrayConversionError and kin)
+    return None
+
+
+def check_int_array(name: str, x: Any, shape: tuple, meaning: str):
+  """Checks an integer index/length array's type, dtype and shape; returns its values when known
+  at trace time (`concrete`), else None."""
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(f"{name} must be a JAX or NumPy integer array {meaning}, got "
                     f"{type(x).__name__}")
@@ -136,14 +146,7 @@ def _check_int_array(name: str, x: Any, shape: tuple, meaning: str) -> None:
     raise TypeError(f"{name} must have an integer dtype (int32), got {x.dtype}")
   if tuple(x.shape) != shape:
     raise ValueError(f"{name} must have shape {shape} {meaning}, got {tuple(x.shape)}")
-
-
-def _concrete(x):
-  """x as a NumPy array when its values are known at trace time, else None (a tracer)."""
-  try:
-    return np.asarray(x)
-  except Exception:  # noqa: BLE001 (jax.errors.TracerArrayConversionError and kin)
-    return None
+  return concrete(x)
 
 
 def padding_masks(q, k, *, query_seq_lengths=None, key_value_seq_lengths=None,
@@ -164,8 +167,7 @@ def padding_masks(q, k, *, query_seq_lengths=None, key_value_seq_lengths=None,
     if x is None:
       lengths.append(jnp.full((b,), s, jnp.int32))
       continue
-    _check_int_array(name, x, (b,), "(batch,)")
-    values = _concrete(x)
+    values = check_int_array(name, x, (b,), "(batch,)")
     if values is not None and (values.min() < 0 or values.max() > s):
       raise ValueError(f"{name} must lie in [0, {s}] (the padded sequence length), got values "
                        f"from {values.min()} to {values.max()}")
@@ -173,7 +175,7 @@ def padding_masks(q, k, *, query_seq_lengths=None, key_value_seq_lengths=None,
   if q_segment_ids is None:
     segments = [jnp.zeros((b, s_q), jnp.int32), jnp.zeros((b, s_k), jnp.int32)]
   else:
-    _check_int_array("q_segment_ids", q_segment_ids, (b, s_q), "(batch, seqlen_q)")
-    _check_int_array("kv_segment_ids", kv_segment_ids, (b, s_k), "(batch, seqlen_k)")
+    check_int_array("q_segment_ids", q_segment_ids, (b, s_q), "(batch, seqlen_q)")
+    check_int_array("kv_segment_ids", kv_segment_ids, (b, s_k), "(batch, seqlen_k)")
     segments = [jnp.asarray(q_segment_ids, jnp.int32), jnp.asarray(kv_segment_ids, jnp.int32)]
   return (*lengths, *segments)

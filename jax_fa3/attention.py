@@ -114,8 +114,7 @@ _attention_with_lse.defvjp(_attention_with_lse_fwd, _attention_with_lse_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _masked_attention(q, k, v, masks, cfg: AttentionConfig, with_lse: bool):
-  out, lse = _partitioning.call_partitioned(FORWARD_MASKED, (q, k, v, *masks), cfg)
-  return (out, lse) if with_lse else out
+  return _masked_attention_fwd(q, k, v, masks, cfg, with_lse)[0]
 
 
 def _masked_attention_fwd(q, k, v, masks, cfg, with_lse):

@@ -216,7 +216,7 @@ def _fp8_attention_bwd(cfg, backward, residuals, cotangents):
 _fp8_attention.defvjp(_fp8_attention_fwd, _fp8_attention_bwd)
 
 
-def _is_pair(x) -> bool:
+def is_pair(x) -> bool:
   return isinstance(x, (tuple, list))
 
 
@@ -303,7 +303,7 @@ def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_siz
   unsharded result bit for bit; a sequence split is gathered first (quantization blocks and v's
   per-head scale span the sequence). Inside shard_map / pmap it runs per device as is.
   """
-  pairs = [_is_pair(x) for x in (q, k, v)]
+  pairs = [is_pair(x) for x in (q, k, v)]
   backward = check_fp8_backward(backward)
   causal = check_bool("causal", causal)
   incoherent = check_bool("incoherent", incoherent)

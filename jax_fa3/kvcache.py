@@ -14,27 +14,11 @@ import numpy as np
 
 from jax_fa3 import _fp8_quantize
 from jax_fa3.attention import flash_attention
-from jax_fa3.fp8 import check_block_size, check_quantized
+from jax_fa3.fp8 import check_block_size, check_quantized, is_pair
 from jax_fa3._config import DEFAULT_BLOCK_SIZE
-from jax_fa3._validation import check_array, check_attention_dtypes
+from jax_fa3._validation import check_array, check_attention_dtypes, check_int_array
 
 _TOKEN, _KEY_PAD = 0, 2  # segment ids: real keys (and every query), cache slots past a row's length
-
-
-def _concrete(x):
-  try:
-    return np.asarray(x)
-  except Exception:  # noqa: BLE001 (a tracer: values unknown at trace time)
-    return None
-
-
-def _check_int(name, x, shape, meaning):
-  check_array(name, x)
-  if not jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == np.dtype(bool):
-    raise TypeError(f"{name} must have an integer dtype (int32), got {x.dtype}")
-  if tuple(x.shape) != shape:
-    raise ValueError(f"{name} must have shape {shape} {meaning}, got {tuple(x.shape)}")
-  return _concrete(x)
 
 
 def _layout(q, k_cache, v_cache, page_table, cache_batch_idx):
@@ -53,13 +37,14 @@ def _layout(q, k_cache, v_cache, page_table, cache_batch_idx):
     if page_table.ndim != 2 or page_table.shape[0] != b:
       raise ValueError(f"page_table must have shape ({b}, pages_per_seq), got "
                        f"{tuple(page_table.shape)}")
-    pages = _check_int("page_table", page_table, tuple(page_table.shape), "(batch, pages_per_seq)")
+    pages = check_int_array("page_table", page_table, tuple(page_table.shape),
+                            "(batch, pages_per_seq)")
     if pages is not None and pages.size and (pages.min() < 0 or pages.max() >= num_pages):
       raise ValueError(f"page_table must index pages in [0, {num_pages}) (k_cache's first axis), "
                        f"got values from {pages.min()} to {pages.max()}")
     return page_table.shape[1] * page_size
   if cache_batch_idx is not None:
-    rows = _check_int("cache_batch_idx", cache_batch_idx, (b,), "(batch,)")
+    rows = check_int_array("cache_batch_idx", cache_batch_idx, (b,), "(batch,)")
     if rows is not None and (rows.min() < 0 or rows.max() >= k_cache.shape[0]):
       raise ValueError(f"cache_batch_idx must index cache rows in [0, {k_cache.shape[0]}), got "
                        f"values from {rows.min()} to {rows.max()}")
@@ -95,10 +80,6 @@ def _append(cache, new, first, slots):
   inside &= (target >= 0) & (target < cache.shape[0])  # a traced page or row out of range
   target = jnp.where(inside, target, cache.shape[0])  # out of range: dropped by the scatter
   return cache.at[target, position].set(new.astype(cache.dtype), mode="drop")
-
-
-def _is_pair(x) -> bool:
-  return isinstance(x, (tuple, list))
 
 
 def _check_fp8_cache(name, cache, block_size):
@@ -178,9 +159,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
   paged, split-KV decoding kernels are not written yet.
   """
   check_array("q", q, rank=4)
-  fp8 = _is_pair(k_cache) or _is_pair(v_cache)
+  fp8 = is_pair(k_cache) or is_pair(v_cache)
   if fp8:
-    if not (_is_pair(k_cache) and _is_pair(v_cache)):
+    if not (is_pair(k_cache) and is_pair(v_cache)):
       raise TypeError("k_cache and v_cache must both be arrays or both (values, scales) pairs")
     block_size = check_block_size(block_size, allow_none=False)
     k_cache = _check_fp8_cache("k_cache", k_cache, block_size)
@@ -214,7 +195,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     raise ValueError(f"num_splits must be an int >= 0 (0: chosen by the kernel), got {num_splits!r}")
   if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
     cache_seqlens = jnp.full((b,), int(cache_seqlens), jnp.int32)
-  lengths = _check_int("cache_seqlens", cache_seqlens, (b,), "(batch,)")
+  lengths = check_int_array("cache_seqlens", cache_seqlens, (b,), "(batch,)")
   if lengths is not None and (lengths.min() < 0 or lengths.max() + s_new > capacity):
     raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, {capacity}] (the cache's "
                      f"capacity per row), got cache_seqlens from {lengths.min()} to "

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fa3.attention import flash_attention
-from jax_fa3._validation import check_array, check_attention_dtypes
+from jax_fa3._validation import check_array, check_attention_dtypes, concrete
 
 # Segment ids of the padded batch: real tokens, and the query and key padding (different ids, so
 # that padding never sees padding).
@@ -34,9 +34,8 @@ def _check_cu_seqlens(name, cu, total, max_seqlen_name, max_seqlen):
                     f"{max_seqlen!r}")
   if max_seqlen < 1:
     raise ValueError(f"{max_seqlen_name} must be >= 1, got {max_seqlen}")
-  try:
-    values = np.asarray(cu)
-  except Exception:  # noqa: BLE001 (traced under jit: checked by clamping instead)
+  values = concrete(cu)
+  if values is None:  # traced under jit: checked by clamping instead
     return
   if values[0] != 0 or values[-1] != total:
     raise ValueError(f"{name} must start at 0 and end at the number of packed tokens ({total}), "
