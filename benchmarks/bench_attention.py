@@ -23,11 +23,7 @@ The JSON's header names the date (UTC), GPU, JAX version and the commit measured
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import pathlib
-import platform
-import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -142,19 +138,6 @@ def _fp8_peers(causal):
   peers.append(_bench.Peer("cudnn_fp8", cudnn, prepare=prepare_cudnn, max_rel_err=0.1,
                            forward_only=True))
   return peers
-
-
-def _commit() -> str:
-  """The checkout's short commit, "+dirty" when it has local changes; the results name it."""
-  root = pathlib.Path(__file__).resolve().parent.parent
-  try:
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                         text=True, check=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                           capture_output=True, text=True, check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown (not a git checkout)"
-  return rev + ("+dirty" if dirty else "")
 
 
 def run(head_dims, seqlens, directions, dtype, min_time, causal_modes=(False, True),
@@ -331,11 +314,7 @@ def main():
   parser.add_argument("--json", default="bench_attention.json")
   parser.add_argument("--png", default="bench_attention.png")
   args = parser.parse_args()
-  device = jax.devices()[0]
-  header = dict(date=str(datetime.datetime.now(datetime.timezone.utc).date()),
-                commit=_commit(), device=device.device_kind, jax=jax.__version__,
-                jax_fa3=jax_fa3.__version__, kernels=jax_fa3.kernels_available(),
-                python=platform.python_version())
+  header = _bench.run_header(__file__)
   print(json.dumps(header))
   head_dims = [int(x) for x in args.head_dims.split(",")]
   seqlens = [int(x) for x in args.seqlens.split(",")]

@@ -13,10 +13,7 @@ kv_heads · d · 2 tensors · 2 bytes) over its time; `copy` is the measured dev
 from __future__ import annotations
 
 import argparse
-import datetime
-import functools
 import json
-import platform
 
 import jax
 import jax.numpy as jnp
@@ -120,9 +117,7 @@ def main():
   parser.add_argument("--min-time", type=float, default=0.2)
   parser.add_argument("--json", default="bench_decode.json")
   args = parser.parse_args()
-  header = dict(date=str(datetime.datetime.now(datetime.timezone.utc).date()),
-                device=jax.devices()[0].device_kind, jax=jax.__version__,
-                kernels=jax_fa3.kernels_available(), python=platform.python_version())
+  header = _bench.run_header(__file__)
   print(json.dumps(header))
   copy_gbs = copy_bandwidth(args.min_time) / 1e9
   rows = run([int(x) for x in args.batches.split(",")], [int(x) for x in args.caches.split(",")],

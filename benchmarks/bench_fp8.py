@@ -17,13 +17,13 @@ import json
 import pathlib
 import sys
 
-import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_attention  # noqa: E402
 
 import jax_fa3  # noqa: E402
+from jax_fa3 import _bench  # noqa: E402
 
 PEERS = ("jax_fa3", "jax_fa3_fp8_e2e", "jax_fa3_fp8_vt", "cudnn_fp8")
 
@@ -53,26 +53,6 @@ def table(rows, prep) -> str:
   return "\n".join(lines)
 
 
-def plot(rows, path):
-  import matplotlib  # noqa: PLC0415
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # noqa: PLC0415
-  combos = sorted({(r["d"], r["causal"]) for r in rows})
-  fig, axes = plt.subplots(1, len(combos), figsize=(4 * len(combos), 3.5), squeeze=False)
-  for ax, (d, causal) in zip(axes[0], combos):
-    for peer in PEERS:
-      pts = [(r["seqlen"], r["fwd_tflops"]) for r in rows if r["peer"] == peer and
-             (r["d"], r["causal"]) == (d, causal) and r.get("fwd_tflops")]
-      if pts:
-        ax.plot(*zip(*sorted(pts)), marker="o", label=peer)
-    ax.set_xscale("log", base=2)
-    ax.set(title=f"fp8 fwd d={d} {'causal' if causal else 'non-causal'}", xlabel="seqlen",
-           ylabel="TFLOP/s (bf16 count)")
-  axes[0][0].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=120)
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--head-dims", default="128,256")
@@ -82,10 +62,7 @@ def main():
   parser.add_argument("--json", default="bench_fp8.json")
   parser.add_argument("--png", default="bench_fp8.png")
   args = parser.parse_args()
-  header = dict(date=bench_attention.datetime.datetime.now(
-      bench_attention.datetime.timezone.utc).date().isoformat(), commit=bench_attention._commit(),
-      device=jax.devices()[0].device_kind, jax=jax.__version__,
-      kernels=jax_fa3.kernels_available())
+  header = _bench.run_header(__file__)
   print(json.dumps(header))
   head_dims = [int(x) for x in args.head_dims.split(",")]
   seqlens = [int(x) for x in args.seqlens.split(",")]
@@ -97,7 +74,7 @@ def main():
   with open(args.json, "w") as f:
     json.dump(dict(header=header, rows=rows, fp8_prep=prep), f, indent=1)
   try:
-    plot(rows, args.png)
+    bench_attention.plot(rows, args.png)
   except ImportError:
     print("matplotlib missing: no plot")
   print(f"\n{header}\nfp8 forward, bf16 inputs, 16k tokens per call\n{table(rows, prep)}")

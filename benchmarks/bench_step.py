@@ -17,10 +17,7 @@ against our bf16 ones before its time is quoted (fp8: within 8e-2 relative, the 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -115,15 +112,6 @@ def table(rows) -> str:
   return "\n".join(lines)
 
 
-def _commit() -> str:
-  try:
-    rev = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    dirty = subprocess.call(["git", "diff", "--quiet", "HEAD"]) != 0
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown (not a git checkout)"
-  return rev + ("+dirty" if dirty else "")
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--head-dims", default="128,256")
@@ -131,9 +119,7 @@ def main():
   parser.add_argument("--min-time", type=float, default=0.2)
   parser.add_argument("--json", default="bench_step.json")
   args = parser.parse_args()
-  header = dict(date=str(datetime.datetime.now(datetime.timezone.utc).date()), commit=_commit(),
-                device=jax.devices()[0].device_kind, jax=jax.__version__,
-                kernels=jax_fa3.kernels_available(), python=platform.python_version())
+  header = _bench.run_header(__file__)
   print(json.dumps(header))
   rows = run([int(x) for x in args.head_dims.split(",")],
              [int(x) for x in args.seqlens.split(",")], args.min_time)

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import pathlib
+import platform
 import statistics
+import subprocess
 import time
 from typing import Callable
 
@@ -18,6 +22,28 @@ def attention_flops(b, h, s_q, s_k, d, causal, direction="fwd") -> float:
   """FlashAttention's count: 4·b·h·s_q·s_k·d forward (halved when causal), backward 2.5×."""
   flops = 4.0 * b * h * s_q * s_k * d * (0.5 if causal else 1.0)
   return flops * {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}[direction]
+
+
+def git_commit(path) -> str:
+  """The short commit of the checkout holding `path`, "+dirty" when it has local changes."""
+  root = pathlib.Path(path).resolve().parent
+  try:
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                           capture_output=True, text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown (not a git checkout)"
+  return rev + ("+dirty" if dirty else "")
+
+
+def run_header(script) -> dict:
+  """What every benchmark JSON starts with: date (UTC), the commit of the checkout holding
+  `script` (a benchmark's __file__), device, versions, whether the kernels ran."""
+  return dict(date=str(datetime.datetime.now(datetime.timezone.utc).date()),
+              commit=git_commit(script), device=jax.devices()[0].device_kind,
+              jax=jax.__version__, jax_fa3=jax_fa3.__version__,
+              kernels=jax_fa3.kernels_available(), python=platform.python_version())
 
 
 def median_seconds(fn: Callable, *args, min_time=0.2, repeats=7) -> float:
