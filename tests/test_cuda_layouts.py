@@ -86,3 +86,13 @@ def test_forward_tile_scheduler_covers_every_tile_once(tmp_path):
   every (m_block, head, batch) exactly once, and that masked rounds stay longest first."""
   out = _compile_and_run(tmp_path, "check_tile_scheduler", with_cute=False)
   assert out.rstrip().endswith(": ok")
+
+
+def test_block_ranges_over_padded_rows(tmp_path):
+  """The forward's and backward's block ranges and mask shortcuts over a padded batch's per-row
+  bounds (cuda/common/seq_bounds.h): tests/cuda/check_seq_bounds.cu compares them with the
+  per-element visibility rule for lengths 0 .. past a block, diagonals across [-s_q, s_k],
+  causal / window / no masks and several block shapes; the K blocks visiting a Q block must form
+  the one run from n_first that the deterministic dQ order counts."""
+  out = _compile_and_run(tmp_path, "check_seq_bounds", with_cute=False)
+  assert out.rstrip().endswith(": ok")

@@ -121,6 +121,12 @@ inline ffi::Error check_buffer(const char* op, const char* name, const ffi::AnyB
   return check_shape(op, name, what, buf.dimensions(), want);
 }
 
+// The per-batch-row bounds of a padded batch (common/seq_bounds.h): int32 (b, 4).
+inline ffi::Error check_seq_bounds(const char* op, const ffi::AnyBuffer& bounds, int64_t b) {
+  return check_buffer(op, "seq_bounds", bounds, ffi::DataType::S32,
+                      "shape (b, 4) =", {b, 4});
+}
+
 // Returns from the enclosing handler with the ffi::Error of `expr` when it is a failure.
 #define JAX_FA3_RETURN_IF_FFI_ERROR(expr)                                          \
   do {                                                                             \

@@ -64,35 +64,38 @@ cudaError_t dispatch(int bucket, DType dtype, const FlashBwdParams& p, cudaStrea
 #undef JAX_FA3_FP16_CASE
 #undef JAX_FA3_BF16_CASE
 
-ffi::Error flash_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q,
+// seq_bounds: the bounded variant's (b, 4) row bounds (common/seq_bounds.h), else nullptr.
+ffi::Error flash_bwd_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q,
                           ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
-                          ffi::AnyBuffer dout, ffi::AnyBuffer lse, float softmax_scale,
-                          float softcap, int32_t window_left, int32_t window_right,
-                          bool deterministic, ffi::Result<ffi::AnyBuffer> dq,
-                          ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                          ffi::Result<ffi::AnyBuffer> workspace) {
-  constexpr const char* kOp = "flash_bwd";
+                          ffi::AnyBuffer dout, ffi::AnyBuffer lse,
+                          const ffi::AnyBuffer* seq_bounds, float softmax_scale, float softcap,
+                          int32_t window_left, int32_t window_right, bool deterministic,
+                          ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                          ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> workspace) {
   ffi_util::AttentionDims a{};
   DType dtype{};
-  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::read_16bit_attention(kOp, q, k, v, a, dtype));
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::read_16bit_attention(op, q, k, v, a, dtype));
   const auto qt = q.element_type();
   const std::initializer_list<int64_t> q_shape = {a.b, a.s_q, a.h, a.d};
   const std::initializer_list<int64_t> k_shape = {a.b, a.s_k, a.h_k, a.d};
   using ffi_util::check_buffer;
-  JAX_FA3_RETURN_IF_FFI_ERROR(check_buffer(kOp, "out", out, qt, "q's shape", q_shape));
-  JAX_FA3_RETURN_IF_FFI_ERROR(check_buffer(kOp, "dout", dout, qt, "q's shape", q_shape));
+  JAX_FA3_RETURN_IF_FFI_ERROR(check_buffer(op, "out", out, qt, "q's shape", q_shape));
+  JAX_FA3_RETURN_IF_FFI_ERROR(check_buffer(op, "dout", dout, qt, "q's shape", q_shape));
   JAX_FA3_RETURN_IF_FFI_ERROR(
-      check_buffer(kOp, "lse", lse, ffi::DataType::F32, "shape (b, h, s_q) =", {a.b, a.h, a.s_q}));
-  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_attention_scalars(kOp, softmax_scale, softcap,
+      check_buffer(op, "lse", lse, ffi::DataType::F32, "shape (b, h, s_q) =", {a.b, a.h, a.s_q}));
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_attention_scalars(op, softmax_scale, softcap,
                                                                 window_left, window_right));
+  if (seq_bounds != nullptr) {
+    JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_seq_bounds(op, *seq_bounds, a.b));
+  }
   // Grids: main kernel (key blocks, h_k, b), postprocess (query blocks, h, b); h_k <= h.
   if (a.b > 65535 || a.h > 65535) {
-    return invalid(kOp, ": batch and heads must be at most 65535 (CUDA grid y/z), got q ",
+    return invalid(op, ": batch and heads must be at most 65535 (CUDA grid y/z), got q ",
                    shape_str(q.dimensions()));
   }
-  JAX_FA3_RETURN_IF_FFI_ERROR(check_buffer(kOp, "result dq", *dq, qt, "q's shape", q_shape));
-  JAX_FA3_RETURN_IF_FFI_ERROR(check_buffer(kOp, "result dk", *dk, qt, "k's shape", k_shape));
-  JAX_FA3_RETURN_IF_FFI_ERROR(check_buffer(kOp, "result dv", *dv, qt, "k's shape", k_shape));
+  JAX_FA3_RETURN_IF_FFI_ERROR(check_buffer(op, "result dq", *dq, qt, "q's shape", q_shape));
+  JAX_FA3_RETURN_IF_FFI_ERROR(check_buffer(op, "result dk", *dk, qt, "k's shape", k_shape));
+  JAX_FA3_RETURN_IF_FFI_ERROR(check_buffer(op, "result dv", *dv, qt, "k's shape", k_shape));
 
   const int bucket = head_dim_bucket(static_cast<int>(a.d));
   FlashBwdParams p{};
@@ -114,6 +117,8 @@ ffi::Error flash_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q,
   p.window_right = ffi_util::unbounded_past_reach(window_right, a);
   p.deterministic = deterministic;
   p.dtype = dtype;
+  p.seq_bounds =
+      seq_bounds != nullptr ? static_cast<const int*>(seq_bounds->untyped_data()) : nullptr;
 
   if (a.b > 0 && a.h > 0 && a.s_q > 0 && a.s_k > 0) {
     const auto ws = flash_bwd::workspace_layout(a.b, a.h, a.s_q, a.d, deterministic);
@@ -121,7 +126,7 @@ ffi::Error flash_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q,
     // other temporaries: XLA's FFI ScratchAllocator returned nothing on the H200 (JAX 0.11.2,
     // 2026-11-30).
     if (workspace->size_bytes() < ws.total) {
-      return invalid(kOp, ": workspace must have at least ", ws.total, " bytes (see ",
+      return invalid(op, ": workspace must have at least ", ws.total, " bytes (see ",
                      "jax_fa3_flash_bwd_workspace_bytes), got ", workspace->size_bytes());
     }
     char* base = static_cast<char*>(workspace->untyped_data());
@@ -132,12 +137,34 @@ ffi::Error flash_bwd_impl(cudaStream_t stream, ffi::AnyBuffer q,
   }
 
   if (!kernel_compiled(bucket, dtype)) {
-    return invalid(kOp, ": no kernel compiled for head_dim ", a.d, " (bucket ", bucket,
+    return invalid(op, ": no kernel compiled for head_dim ", a.d, " (bucket ", bucket,
                    ") and dtype ", dtype_name(dtype), "; this build has ", jax_fa3_build_config(),
                    " (rebuild with JAX_FA3_HEAD_DIMS / JAX_FA3_DTYPES including it)");
   }
   return ffi_util::poison_and_launch(
-      kOp, stream, [&] { return dispatch(bucket, dtype, p, stream); }, dq, dk, dv);
+      op, stream, [&] { return dispatch(bucket, dtype, p, stream); }, dq, dk, dv);
+}
+
+ffi::Error flash_bwd_whole(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                           ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout,
+                           ffi::AnyBuffer lse, float softmax_scale, float softcap,
+                           int32_t window_left, int32_t window_right, bool deterministic,
+                           ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                           ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> workspace) {
+  return flash_bwd_impl("flash_bwd", stream, q, k, v, out, dout, lse, nullptr, softmax_scale,
+                        softcap, window_left, window_right, deterministic, dq, dk, dv, workspace);
+}
+
+ffi::Error flash_bwd_bounded(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                             ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout,
+                             ffi::AnyBuffer lse, ffi::AnyBuffer seq_bounds, float softmax_scale,
+                             float softcap, int32_t window_left, int32_t window_right,
+                             bool deterministic, ffi::Result<ffi::AnyBuffer> dq,
+                             ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                             ffi::Result<ffi::AnyBuffer> workspace) {
+  return flash_bwd_impl("flash_bwd_bounded", stream, q, k, v, out, dout, lse, &seq_bounds,
+                        softmax_scale, softcap, window_left, window_right, deterministic, dq, dk,
+                        dv, workspace);
 }
 
 }  // namespace
@@ -148,7 +175,7 @@ extern "C" size_t jax_fa3_flash_bwd_workspace_bytes(int64_t b, int64_t h, int64_
   return jax_fa3::flash_bwd::workspace_layout(b, h, s_q, d, deterministic).total;
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashBwd, jax_fa3::flash_bwd_impl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashBwd, jax_fa3::flash_bwd_whole,
                               jax_fa3::ffi_util::bind_on_stream()
                                   .Arg<xla::ffi::AnyBuffer>()   // q
                                   .Arg<xla::ffi::AnyBuffer>()   // k
@@ -156,6 +183,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashBwd, jax_fa3::flash_bwd_impl,
                                   .Arg<xla::ffi::AnyBuffer>()   // out
                                   .Arg<xla::ffi::AnyBuffer>()   // dout
                                   .Arg<xla::ffi::AnyBuffer>()   // lse
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<int32_t>("window_left")
+                                  .Attr<int32_t>("window_right")
+                                  .Attr<bool>("deterministic")
+                                  .Ret<xla::ffi::AnyBuffer>()   // dq
+                                  .Ret<xla::ffi::AnyBuffer>()   // dk
+                                  .Ret<xla::ffi::AnyBuffer>()   // dv
+                                  .Ret<xla::ffi::AnyBuffer>()); // workspace (uint8)
+
+// The same with a padded batch's per-row bounds (int32 (b, 4), common/seq_bounds.h) after lse.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashBwdBounded, jax_fa3::flash_bwd_bounded,
+                              jax_fa3::ffi_util::bind_on_stream()
+                                  .Arg<xla::ffi::AnyBuffer>()   // q
+                                  .Arg<xla::ffi::AnyBuffer>()   // k
+                                  .Arg<xla::ffi::AnyBuffer>()   // v
+                                  .Arg<xla::ffi::AnyBuffer>()   // out
+                                  .Arg<xla::ffi::AnyBuffer>()   // dout
+                                  .Arg<xla::ffi::AnyBuffer>()   // lse
+                                  .Arg<xla::ffi::AnyBuffer>()   // seq_bounds
                                   .Attr<float>("softmax_scale")
                                   .Attr<float>("softcap")
                                   .Attr<int32_t>("window_left")

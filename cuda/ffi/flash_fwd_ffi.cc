@@ -13,25 +13,29 @@ namespace {
 namespace ffi = xla::ffi;
 using ffi_util::invalid;
 
-ffi::Error flash_fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+// seq_bounds: the bounded variant's (b, 4) row bounds (common/seq_bounds.h), else nullptr.
+ffi::Error flash_fwd_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                          ffi::AnyBuffer v, const ffi::AnyBuffer* seq_bounds,
                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                           float softmax_scale, float softcap, int32_t window_left,
                           int32_t window_right) {
-  constexpr const char* kOp = "flash_fwd";
   ffi_util::AttentionDims a{};
   DType dtype{};
-  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::read_16bit_attention(kOp, q, k, v, a, dtype));
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::read_16bit_attention(op, q, k, v, a, dtype));
   const auto qt = q.element_type();
-  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(kOp, "out", *out, qt, "q's shape",
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(op, "out", *out, qt, "q's shape",
                                                      {a.b, a.s_q, a.h, a.d}));
-  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_shape(kOp, "lse", "shape (b, h, s_q) =",
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_shape(op, "lse", "shape (b, h, s_q) =",
                                                     lse->dimensions(), {a.b, a.h, a.s_q}));
-  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_attention_scalars(kOp, softmax_scale, softcap,
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_attention_scalars(op, softmax_scale, softcap,
                                                                 window_left, window_right));
+  if (seq_bounds != nullptr) {
+    JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_seq_bounds(op, *seq_bounds, a.b));
+  }
 
   const int bucket = head_dim_bucket(static_cast<int>(a.d));
   if (!kernel_compiled(bucket, dtype)) {
-    return invalid(kOp, ": no kernel compiled for head-dim bucket ", bucket, " (head dim ", a.d,
+    return invalid(op, ": no kernel compiled for head-dim bucket ", bucket, " (head dim ", a.d,
                    ") and dtype ", dtype_name(dtype),
                    "; rebuild with it in JAX_FA3_HEAD_DIMS / JAX_FA3_DTYPES");
   }
@@ -48,8 +52,27 @@ ffi::Error flash_fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
   params.softcap = softcap;
   params.window_left = window_left;
   params.window_right = window_right;
+  params.seq_bounds =
+      seq_bounds != nullptr ? static_cast<const int*>(seq_bounds->untyped_data()) : nullptr;
   return ffi_util::poison_and_launch(
-      kOp, stream, [&] { return launch_flash_fwd(params, stream); }, out, lse);
+      op, stream, [&] { return launch_flash_fwd(params, stream); }, out, lse);
+}
+
+ffi::Error flash_fwd_whole(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                           ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
+                           ffi::Result<ffi::Buffer<ffi::F32>> lse, float softmax_scale,
+                           float softcap, int32_t window_left, int32_t window_right) {
+  return flash_fwd_impl("flash_fwd", stream, q, k, v, nullptr, out, lse, softmax_scale, softcap,
+                        window_left, window_right);
+}
+
+ffi::Error flash_fwd_bounded(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                             ffi::AnyBuffer v, ffi::AnyBuffer seq_bounds,
+                             ffi::Result<ffi::AnyBuffer> out,
+                             ffi::Result<ffi::Buffer<ffi::F32>> lse, float softmax_scale,
+                             float softcap, int32_t window_left, int32_t window_right) {
+  return flash_fwd_impl("flash_fwd_bounded", stream, q, k, v, &seq_bounds, out, lse,
+                        softmax_scale, softcap, window_left, window_right);
 }
 
 }  // namespace
@@ -57,11 +80,26 @@ ffi::Error flash_fwd_impl(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer 
 
 // Graph-capturable: no host synchronization, no allocation, no per-call host state (the TMA
 // descriptors travel inside the kernel parameters).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashFwd, jax_fa3::flash_fwd_impl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashFwd, jax_fa3::flash_fwd_whole,
                               jax_fa3::ffi_util::bind_on_stream()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::AnyBuffer>()
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<int32_t>("window_left")
+                                  .Attr<int32_t>("window_right"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+// The same with a padded batch's per-row bounds (int32 (b, 4), common/seq_bounds.h) after v.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashFwdBounded, jax_fa3::flash_fwd_bounded,
+                              jax_fa3::ffi_util::bind_on_stream()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // seq_bounds
                                   .Ret<xla::ffi::AnyBuffer>()
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<float>("softmax_scale")

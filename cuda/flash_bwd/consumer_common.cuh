@@ -16,7 +16,8 @@ template <typename Traits, typename Frag>
 __device__ __forceinline__ void store_dq_partial(KernelParams<Traits> const& p,
                                                  typename Traits::SharedStorage& ss,
                                                  Frag const& tdQrdQ, int wg, int tid, int ctid,
-                                                 int bidb, int qh, int m, int n_block, int stage) {
+                                                 const BlockGeometry& geom, int bidb, int qh,
+                                                 int m, int n_block, int stage) {
   using namespace cute;
   constexpr int kPairStride = Traits::kDqPairStride;  // in float2
   constexpr uint32_t kMma = Traits::kNumMmaThreads;
@@ -39,7 +40,7 @@ __device__ __forceinline__ void store_dq_partial(KernelParams<Traits> const& p,
     // s_q, K is zero-filled past d), so the whole chunk is added without masks.
     int* sem = nullptr;
     if (p.deterministic) {  // K blocks add in increasing order
-      if (ctid == 0) sem = wait_dq_turn(p, bidb, qh, m, n_block);
+      if (ctid == 0) sem = wait_dq_turn(p, geom, bidb, qh, m, n_block);
       named_barrier_sync(NamedBarrier::kDeterministic, kMma);
     }
     float2* gdq = reinterpret_cast<float2*>(

@@ -19,10 +19,11 @@ namespace jax_fa3::flash_bwd {
 // kSoftcap is a template parameter (one kernel each), not a branch inside the loop: the softcap
 // loop accumulates dP^T onto -D (below), and a run-time choice of the dP^T wgmma's initial state
 // made ptxas serialize every wgmma of the kernel (C7512).
-template <typename Traits, bool kSoftcap>
+template <typename Traits, bool kSoftcap, bool kBounded>
 __device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> const& p,
                                                        typename Traits::SharedStorage& ss,
                                                        int n_block, int hk, int bidb, int group,
+                                                       const BlockGeometry& geom,
                                                        int m_begin, int m_end) {
   using namespace cute;
   using Element = typename Traits::Element;
@@ -83,9 +84,15 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> cons
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<_64, Int<kBlockM>>{}));
   Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<_64, Int<kHeadDim>>{}));
 
-  const int off = p.s_k - p.s_q;
-  const int wl = p.geom.window_left;
-  const int wr = p.geom.window_right;
+  const int off = p.s_k - p.s_q;  // whole rows' diagonal
+  // A padded batch's row bounds where a mask test needs them (row_bounds_at_use: not held in
+  // registers across the loop); whole rows: the kernel parameters.
+  auto row_at_use = [&] {
+    return kBounded ? row_bounds_at_use(p.seq_bounds, bidb, p.s_q, p.s_k)
+                    : RowBounds{p.s_q, p.s_k, off};
+  };
+  const int wl = geom.window_left;
+  const int wr = geom.window_right;
   const int key_base = n_block * kBlockN + wg * 64;
 
   if (n_iters > 0) Barrier::wait(&ss.bar_kv, 0);
@@ -122,13 +129,17 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> cons
       wg_gemm<!kSoftcap>(mma_sdp, tSrV, thr_sdp.partition_fragment_B(sdO), tSrdP);
       const int row_base = m * kBlockM;
       const bool need_mask =
-          piece_needs_mask(row_base, kBlockM, key_base, 64, p.s_q, p.s_k, off, wl, wr);
+          piece_needs_mask(row_base, kBlockM, key_base, 64, row_at_use(), wl, wr);
       auto p_and_ds = [&](auto mask) {
         constexpr bool kMask = decltype(mask)::value;
-        // Branch-free: & rather than && (short-circuits compiled to branches per element).
+        const RowBounds masked_row = kBounded && kMask ? row_at_use() : RowBounds{};
         auto visible = [&](int i) {
           const int gi = row_base + get<1>(tScS(i));
           const int gj = key_base + get<0>(tScS(i));
+          if constexpr (kBounded) return flash_bwd::visible(gi, gj, masked_row, wl, wr);
+          // Whole rows: block_range.h's rule written out over the kernel parameters, the form
+          // this loop was tuned with (through a RowBounds ptxas schedules the masked path
+          // differently). Branch-free: & rather than &&.
           return bool((gi < p.s_q) & (gj < p.s_k) & ((wl < 0) | (gj >= gi + off - wl)) &
                       ((wr < 0) | (gj <= gi + off + wr)));
         };
@@ -190,7 +201,8 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> cons
       warpgroup_fence_operand(tdQrdQ);
       warpgroup_fence_operand(tdVrdV);
 
-      store_dq_partial<Traits>(p, ss, tdQrdQ, wg, tid, ctid, bidb, qh, m, n_block, stage);
+      store_dq_partial<Traits>(p, ss, tdQrdQ, wg, tid, ctid, geom, bidb, qh, m, n_block,
+                               stage);
 
       warpgroup_wait<0>();
       warpgroup_fence_operand(tdKrdK);

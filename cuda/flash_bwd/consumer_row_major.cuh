@@ -13,10 +13,11 @@
 
 namespace jax_fa3::flash_bwd {
 
-template <typename Traits>
+template <typename Traits, bool kBounded>
 __device__ __forceinline__ void run_consumer_row_major(KernelParams<Traits> const& p,
                                                        typename Traits::SharedStorage& ss,
                                                        int n_block, int hk, int bidb, int group,
+                                                       const BlockGeometry& geom,
                                                        int m_begin, int m_end) {
   using namespace cute;
   using Element = typename Traits::Element;
@@ -85,9 +86,15 @@ __device__ __forceinline__ void run_consumer_row_major(KernelParams<Traits> cons
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kNS>>{}));
   Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<_64, Int<kDKV>>{}));
 
-  const int off = p.s_k - p.s_q;
-  const int wl = p.geom.window_left;
-  const int wr = p.geom.window_right;
+  const int off = p.s_k - p.s_q;  // whole rows' diagonal
+  // A padded batch's row bounds where a mask test needs them (row_bounds_at_use: not held in
+  // registers across the loop); whole rows: the kernel parameters.
+  auto row_at_use = [&] {
+    return kBounded ? row_bounds_at_use(p.seq_bounds, bidb, p.s_q, p.s_k)
+                    : RowBounds{p.s_q, p.s_k, off};
+  };
+  const int wl = geom.window_left;
+  const int wr = geom.window_right;
   const int col_base = n_block * kBlockN + wg * kNS;
 
   if (n_iters > 0) Barrier::wait(&ss.bar_kv, 0);
@@ -127,15 +134,18 @@ __device__ __forceinline__ void run_consumer_row_major(KernelParams<Traits> cons
         lse_r[r] = lse_s[get<0>(tScS(2 * r))];
         dd_r[r] = dpsum_s[get<0>(tScS(2 * r))];
       }
-      const bool need_mask = piece_needs_mask(row_base, kBlockM, col_base, kNS, p.s_q, p.s_k, off,
-                                              wl, wr);
+      const bool need_mask = piece_needs_mask(row_base, kBlockM, col_base, kNS, row_at_use(), wl, wr);
       auto p_and_ds = [&](auto softcap, auto mask) {
         constexpr bool kSoftcap = decltype(softcap)::value;
         constexpr bool kMask = decltype(mask)::value;
-        // Branch-free: & rather than && (short-circuits compiled to branches per element).
+        const RowBounds masked_row = kBounded && kMask ? row_at_use() : RowBounds{};
         auto visible = [&](int i) {
           const int gi = row_base + get<0>(tScS(i));
           const int gj = col_base + get<1>(tScS(i));
+          if constexpr (kBounded) return flash_bwd::visible(gi, gj, masked_row, wl, wr);
+          // Whole rows: block_range.h's rule written out over the kernel parameters, the form
+          // this loop was tuned with (through a RowBounds ptxas schedules the masked path
+          // differently). Branch-free: & rather than &&.
           return bool((gi < p.s_q) & (gj < p.s_k) & ((wl < 0) | (gj >= gi + off - wl)) &
                       ((wr < 0) | (gj <= gi + off + wr)));
         };
@@ -204,7 +214,8 @@ __device__ __forceinline__ void run_consumer_row_major(KernelParams<Traits> cons
       warpgroup_wait<2>();  // the dQ group is done; the dV and dK groups may still run
       warpgroup_fence_operand(tdQrdQ);
 
-      store_dq_partial<Traits>(p, ss, tdQrdQ, wg, tid, ctid, bidb, qh, m, n_block, stage);
+      store_dq_partial<Traits>(p, ss, tdQrdQ, wg, tid, ctid, geom, bidb, qh, m, n_block,
+                               stage);
 
       warpgroup_wait<0>();
       warpgroup_fence_operand(tdVrdV);

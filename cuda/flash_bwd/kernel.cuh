@@ -29,7 +29,8 @@ namespace jax_fa3::flash_bwd {
 // on the block's semaphore and releases the next K block only once its adds are complete.
 template <typename Traits>
 __device__ __forceinline__ void dq_writer(KernelParams<Traits> const& p, const float* sdq, int group,
-                                          int m_begin, int m_end, int hk, int bidb, int n_block) {
+                                          const BlockGeometry& geom, int m_begin, int m_end,
+                                          int hk, int bidb, int n_block) {
   constexpr uint32_t kThreads = Traits::kNumMmaThreads + 32;
   constexpr uint32_t kBytes = Traits::kDqChunkFloats * sizeof(float);
   constexpr int kDqStages = Traits::kDqStages;
@@ -48,7 +49,7 @@ __device__ __forceinline__ void dq_writer(KernelParams<Traits> const& p, const f
       const int buf = kDqStages == 1 ? 0 : it & 1;
       named_barrier_sync(dq_barrier(NamedBarrier::kDqFull, buf), kThreads);
       if (leader) {
-        int* sem = p.deterministic ? wait_dq_turn(p, bidb, qh, m, n_block) : nullptr;
+        int* sem = p.deterministic ? wait_dq_turn(p, geom, bidb, qh, m, n_block) : nullptr;
         bulk_reduce_add_s2g(dq_chunk(p, bidb, qh, m), sdq + buf * Traits::kDqChunkFloats, kBytes);
         bulk_commit();
         if (p.deterministic) {
@@ -78,7 +79,10 @@ __device__ __forceinline__ void dq_writer(KernelParams<Traits> const& p, const f
 // kSoftcap: the key-major mainloop is compiled once with softcap and once without (one kernel
 // each: both loops in one kernel spilled and serialized wgmmas); the row-major one tests
 // p.has_softcap itself and is instantiated with kSoftcap = false only.
-template <typename Traits, bool kSoftcap>
+// kBounded: a padded batch (p.seq_bounds, common/seq_bounds.h), whose CTAs narrow the geometry to
+// their batch row; a separate instantiation, so that the whole-row kernel keeps its lengths in the
+// constant bank (a per-row geometry in registers changed ptxas's schedule of the main loop).
+template <typename Traits, bool kSoftcap, bool kBounded>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     flash_bwd_kernel(CUTE_GRID_CONSTANT KernelParams<Traits> const p) {
   using namespace cute;
@@ -100,8 +104,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   const int hk = blockIdx.y;
   const int bidb = blockIdx.z;
   const int group = p.h / p.h_k;
+  const BlockGeometry geom =
+      kBounded ? p.geom.for_row(row_bounds(p.seq_bounds, bidb, p.s_q, p.s_k)) : p.geom;
   int m_begin, m_end;
-  p.geom.m_range(n_block, m_begin, m_end);
+  geom.m_range(n_block, m_begin, m_end);
   const int n_iters = (m_end - m_begin) * group;
   const int warp_group = threadIdx.x / 128;
 
@@ -122,7 +128,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     if (n_iters == 0) return;
     if constexpr (Traits::kDqViaSmem) {
       if (threadIdx.x / 32 == 1) {
-        dq_writer<Traits>(p, ss.dq, group, m_begin, m_end, hk, bidb, n_block);
+        dq_writer<Traits>(p, ss.dq, group, geom, m_begin, m_end, hk, bidb, n_block);
         return;
       }
     }
@@ -190,9 +196,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // ------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
   if constexpr (Traits::kKeyMajor) {
-    run_consumer_key_major<Traits, kSoftcap>(p, ss, n_block, hk, bidb, group, m_begin, m_end);
+    run_consumer_key_major<Traits, kSoftcap, kBounded>(p, ss, n_block, hk, bidb, group, geom, m_begin,
+                                             m_end);
   } else {
-    run_consumer_row_major<Traits>(p, ss, n_block, hk, bidb, group, m_begin, m_end);
+    run_consumer_row_major<Traits, kBounded>(p, ss, n_block, hk, bidb, group, geom, m_begin, m_end);
   }
 }
 

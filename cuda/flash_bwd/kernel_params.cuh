@@ -31,7 +31,8 @@ struct KernelParams {
   float tanh_in_scale;    // softmax_scale / softcap
   bool has_softcap;
   bool deterministic;
-  BlockGeometry geom;
+  BlockGeometry geom;     // whole rows; a bounded kernel narrows it to its batch row
+  const int* seq_bounds;  // (b, 4) int32 per-row bounds (common/seq_bounds.h) or nullptr
 };
 
 // Issue one warpgroup GEMM (all k-blocks) and commit it as one wgmma group; the caller waits.
@@ -64,10 +65,11 @@ __device__ __forceinline__ float* dq_chunk(KernelParams<Traits> const& p, int bi
 // Deterministic mode: dQ of a Q block is added in increasing K-block order. The block's semaphore
 // counts the K blocks that have added so far; returns it once it is this K block's turn.
 template <typename Traits>
-__device__ __forceinline__ int* wait_dq_turn(KernelParams<Traits> const& p, int bidb, int qh, int m,
+__device__ __forceinline__ int* wait_dq_turn(KernelParams<Traits> const& p,
+                                             const BlockGeometry& geom, int bidb, int qh, int m,
                                              int n_block) {
   int* sem = p.semaphores + q_block_index(bidb, p.h, qh, p.num_m_blocks, m);
-  const int target = n_block - p.geom.n_first(m);
+  const int target = n_block - geom.n_first(m);
   while (ld_acquire_gpu(sem) != target) {
   }
   return sem;

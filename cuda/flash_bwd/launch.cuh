@@ -102,12 +102,18 @@ cudaError_t run_flash_bwd(const FlashBwdParams& p, cudaStream_t stream) {
   kp.score_log2 = kp.has_softcap ? p.softcap * kLog2e : p.softmax_scale * kLog2e;
   kp.tanh_in_scale = kp.has_softcap ? p.softmax_scale / p.softcap : 0.f;
   kp.deterministic = p.deterministic;
-  kp.geom = BlockGeometry{p.s_q, p.s_k, Traits::kBlockM, Traits::kBlockN, p.window_left,
-                          p.window_right};
+  kp.geom = BlockGeometry{Traits::kBlockM, Traits::kBlockN, p.window_left, p.window_right,
+                          row_bounds(nullptr, 0, p.s_q, p.s_k)};
+  kp.seq_bounds = p.seq_bounds;
 
-  auto kernel = flash_bwd_kernel<Traits, false>;
+  const bool bounded = p.seq_bounds != nullptr;
+  auto kernel = bounded ? flash_bwd_kernel<Traits, false, true>
+                        : flash_bwd_kernel<Traits, false, false>;
   if constexpr (Traits::kKeyMajor) {
-    if (kp.has_softcap) kernel = flash_bwd_kernel<Traits, true>;
+    if (kp.has_softcap) {
+      kernel = bounded ? flash_bwd_kernel<Traits, true, true>
+                       : flash_bwd_kernel<Traits, true, false>;
+    }
   }
   constexpr int smem = Traits::kSmemBytes;
   JAX_FA3_RETURN_IF_CUDA_ERROR(

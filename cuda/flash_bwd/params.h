@@ -40,6 +40,9 @@ struct FlashBwdParams {
   int window_right;     // -1 = unbounded (causal: 0)
   bool deterministic;
   DType dtype;
+  // Per-batch-row query/key lengths and mask diagonal, int32 (b, 4) (common/seq_bounds.h), or
+  // nullptr: every row whole.
+  const int* seq_bounds = nullptr;
 };
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }

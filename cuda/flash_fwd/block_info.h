@@ -1,10 +1,14 @@
 // Which K/V blocks a query tile visits, and which of them need per-element masking.
 //
-// Visibility (bottom-right aligned): row i sees column j iff
-//   i + off - left <= j <= i + off + right,  off = s_k - s_q,  a bound of -1 being unbounded,
-// and j < s_k. Blocks outside [n_min, n_max) are fully masked for every row of the tile and are
-// skipped entirely (neither loaded nor computed); producer and consumers call the same function.
+// Visibility in batch row b (common/seq_bounds.h; without bounds q_len = s_q, k_len = s_k and
+// diag = s_k - s_q, bottom-right alignment): row i < q_len sees column j < k_len iff
+//   i + diag - left <= j <= i + diag + right,  a bound of -1 being unbounded.
+// Blocks outside [n_min, n_max) are fully masked for every row of the tile and are skipped
+// entirely (neither loaded nor computed); a tile of padded rows only (first row >= q_len) visits
+// none. Producer and consumers call the same function (host too: tests/cuda/check_seq_bounds.cu).
 #pragma once
+
+#include "common/seq_bounds.h"
 
 namespace jax_fa3::fwd {
 
@@ -12,35 +16,40 @@ struct BlockRange {
   int n_min, n_max;  // visit n_block = n_max - 1 down to n_min; empty when n_min >= n_max
 };
 
-__device__ __forceinline__ BlockRange block_range(int m_block, int block_m, int block_n, int s_q,
-                                                  int s_k, int left, int right) {
-  const int off = s_k - s_q;
+// kPaddedRows false: the caller knows that the tile's first row is real (whole rows: every
+// m_block < ceil(s_q / block_m)), and the test is left out.
+template <bool kPaddedRows = true>
+JAX_FA3_SEQ_HD BlockRange block_range(int m_block, int block_m, int block_n, const RowBounds& rb,
+                                      int left, int right) {
   const int row_first = m_block * block_m;
-  const int row_last = min(row_first + block_m, s_q) - 1;
-  int n_max = (s_k + block_n - 1) / block_n;
+  if (kPaddedRows && row_first >= rb.q_len) return {0, 0};
+  const int row_last = min(row_first + block_m, rb.q_len) - 1;
+  int n_max = (rb.k_len + block_n - 1) / block_n;
   if (right >= 0) {
-    const int col_last = row_last + off + right;  // the rightmost column any row sees
+    const int col_last = row_last + rb.diag + right;  // the rightmost column any row sees
     n_max = col_last < 0 ? 0 : min(n_max, col_last / block_n + 1);
   }
   int n_min = 0;
   if (left >= 0) {
-    const int col_first = row_first + off - left;  // the leftmost column any row sees
+    const int col_first = row_first + rb.diag - left;  // the leftmost column any row sees
     n_min = col_first <= 0 ? 0 : col_first / block_n;
   }
   return {n_min, n_max};
 }
 
-// True when some element of block (m_block, n_block) is invisible: the s_k tail, or a window edge
-// crossing the block. Uniform across the tile; blocks strictly inside need no mask.
-__device__ __forceinline__ bool block_needs_mask(int m_block, int n_block, int block_m, int block_n,
-                                                 int s_q, int s_k, int left, int right) {
-  const int off = s_k - s_q;
+// True when some element of block (m_block, n_block) is invisible to a real row: the k_len tail,
+// or a window edge crossing the block (k_len, diag: the row's RowBounds). Uniform across the
+// tile; blocks strictly inside need no mask. Rows past q_len are not masked here: the epilogue
+// clears them. Plain ints rather than a RowBounds: with the struct, the whole-row kernel's
+// per-block test compiled longer (SASS, d = 128).
+JAX_FA3_SEQ_HD bool block_needs_mask(int m_block, int n_block, int block_m, int block_n, int k_len,
+                                     int diag, int left, int right) {
   const int row_first = m_block * block_m;
   const int row_last = row_first + block_m - 1;
   const int col_first = n_block * block_n;
   const int col_last = col_first + block_n - 1;
-  return col_last >= s_k || (right >= 0 && col_last > row_first + off + right) ||
-         (left >= 0 && col_first < row_last + off - left);
+  return col_last >= k_len || (right >= 0 && col_last > row_first + diag + right) ||
+         (left >= 0 && col_first < row_last + diag - left);
 }
 
 }  // namespace jax_fa3::fwd

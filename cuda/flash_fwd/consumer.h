@@ -147,7 +147,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
 
   const int thread_in_wg = thread_idx % 128;
   const FragCoord fc = FragCoord::of_thread(thread_in_wg);
-  const int off = sc.s_k - sc.s_q;
+  const int off = sc.s_k - sc.s_q;  // whole rows' diagonal
   const bool use_softcap = sc.softcap > 0.f;
   using Turns = std::conditional_t<Traits::kPingPong, PingPong<kNumWarpGroups>, NoPingPong>;
   const Turns pingpong{thread_idx / 128};
@@ -171,8 +171,8 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
                 "tail-split pieces run in the plain order without turns");
   for (int index = blockIdx.x; index < num_work_items<Traits::kTailSplit>(p.scheduler);
        index += gridDim.x) {
-    const ItemBlocks work =
-        item_blocks<Traits::kTailSplit>(p.scheduler, index, kBlockM, kBlockN, sc);
+    const ItemBlocks work = item_blocks<Traits::kTailSplit, Traits::kSeqBounds>(
+        p.scheduler, index, kBlockM, kBlockN, sc);
     const TileCoord c = work.tile;
     // Tail-split pieces (fp8/tail_split.h): the blocks this item visits; those >= max_only_from
     // (the low piece's top blocks) only advance the row maxima.
@@ -231,10 +231,13 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
       } else {
         if (use_softcap) apply_softcap(tSrS, sc.softcap_pre, sc.softcap);
       }
-      if (block_needs_mask(c.m_block, n_block, kBlockM, kBlockN, sc.s_q, sc.s_k, sc.window_left,
-                           sc.window_right)) {
-        apply_mask(tSrS, row_g, n_block * kBlockN + fc.col0, sc.s_k, off, sc.window_left,
-                   sc.window_right);
+      // Whole rows: straight from the kernel parameters (the same values as work.bounds).
+      const int k_len = Traits::kSeqBounds ? work.bounds.k_len : sc.s_k;
+      if (block_needs_mask(c.m_block, n_block, kBlockM, kBlockN, k_len,
+                           Traits::kSeqBounds ? work.bounds.diag : sc.s_k - sc.s_q,
+                           sc.window_left, sc.window_right)) {
+        apply_mask(tSrS, row_g, n_block * kBlockN + fc.col0, k_len,
+                   Traits::kSeqBounds ? work.bounds.diag : off, sc.window_left, sc.window_right);
       }
     };
 
@@ -454,6 +457,9 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     float inv_sum[2], lse[2];
     softmax.finalize(sc.scale_log2, v_scale, inv_sum, lse);
     rescale_rows(tOrO, inv_sum);
+    // A tile's padded rows ran with its real rows (their blocks are the same); only their
+    // results are dropped.
+    if constexpr (Traits::kSeqBounds) clear_padded_rows(tOrO, lse, row_g, work.bounds.q_len);
     if constexpr (kFp8) {
       wait_v_mean<Traits::kNumConsumerThreads>();
       add_v_mean(tOrO, ss.v_mean, fc.col0, sc.d, inv_sum);

@@ -36,16 +36,16 @@ inline FlashFwdScalars make_scalars(const FlashFwdParams& p) {
   s.window_left = clamp_window_past_reach(p.window_left, p.s_q, p.s_k);
   s.window_right = clamp_window_past_reach(p.window_right, p.s_q, p.s_k);
   s.lse = p.lse;
+  s.seq_bounds = p.seq_bounds;
   return s;
 }
 
-template <int kHeadDim, DType kDType>
-cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
-  using Element = typename ElementOf<kDType>::type;
-  using Traits = KernelTraits<kHeadDim, Element>;
+template <class Traits>
+cudaError_t launch_traits(const FlashFwdParams& p, cudaStream_t stream) {
+  using Element = typename Traits::Element;
   using Params = KernelParams<Traits>;
   if (p.b == 0 || p.s_q == 0 || p.h == 0) return cudaSuccess;
-  if (p.d > kHeadDim || p.d % 8 != 0) return cudaErrorInvalidValue;
+  if (p.d > Traits::kHeadDim || p.d % 8 != 0) return cudaErrorInvalidValue;
   // TMA descriptors need 16-byte aligned base addresses (CuTe asserts otherwise); XLA's buffers are.
   for (const void* ptr : {p.q, p.k, p.v, static_cast<const void*>(p.o)}) {
     if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0 && !(ptr == p.k && p.s_k == 0) &&
@@ -70,6 +70,15 @@ cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
   int num_sms = 0;
   JAX_FA3_RETURN_IF_CUDA_ERROR(current_device_sm_count(&num_sms));
   return launch_kernel(params, std::min(num_sms, params.scheduler.num_tiles), stream);
+}
+
+template <int kHeadDim, DType kDType>
+cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
+  using Element = typename ElementOf<kDType>::type;
+  if (p.seq_bounds != nullptr) {
+    return launch_traits<KernelTraits<kHeadDim, Element, true>>(p, stream);
+  }
+  return launch_traits<KernelTraits<kHeadDim, Element, false>>(p, stream);
 }
 
 }  // namespace jax_fa3::fwd

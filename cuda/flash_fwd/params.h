@@ -24,6 +24,9 @@ struct FlashFwdParams {
   float softcap;        // 0 = off; else s = softcap * tanh(softmax_scale * q·k / softcap)
   int window_left;      // -1 = unbounded
   int window_right;     // -1 = unbounded; causal arrives as 0
+  // Per-batch-row query/key lengths and mask diagonal, int32 (b, 4) (common/seq_bounds.h), or
+  // nullptr: every row whole. 16-bit kernels only.
+  const int* seq_bounds = nullptr;
 };
 
 // The device-side view of the scalars: the scale already folded into the log2 domain.
@@ -36,6 +39,7 @@ struct FlashFwdScalars {
   float softcap;       // 0 = off
   int window_left, window_right;
   float* lse;
+  const int* seq_bounds;  // FlashFwdParams::seq_bounds
 };
 
 }  // namespace jax_fa3

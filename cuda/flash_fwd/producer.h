@@ -54,8 +54,8 @@ __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
   uint32_t q_phase = 0;
   for (int index = blockIdx.x; index < num_work_items<Traits::kTailSplit>(p.scheduler);
        index += gridDim.x) {
-    const ItemBlocks work =
-        item_blocks<Traits::kTailSplit>(p.scheduler, index, kBlockM, kBlockN, sc);
+    const ItemBlocks work = item_blocks<Traits::kTailSplit, Traits::kSeqBounds>(
+        p.scheduler, index, kBlockM, kBlockN, sc);
     const TileCoord c = work.tile;
     const int kv_head = c.head / group;
     // A tail-split piece (fp8/tail_split.h) visits part of the tile's blocks; the low piece's top

@@ -241,6 +241,23 @@ __device__ __forceinline__ void rescale_rows(Frag& o, const float (&factor)[2]) 
   for (int i = 0; i < cute::size(o); ++i) o(i) *= factor[frag_row(i)];
 }
 
+// Rows at or past q_len (a padded batch's padding, common/seq_bounds.h) -> out 0, lse +inf.
+// A select rather than a zero factor, so that inf or NaN in the padding never leaks into O.
+// row0: this thread's first row (the second is row0 + 8).
+template <typename Frag>
+__device__ __forceinline__ void clear_padded_rows(Frag& o, float (&lse)[2], int row0, int q_len) {
+  if (row0 + 8 < q_len) return;  // both rows real: the common case
+  const bool padded[2] = {row0 >= q_len, row0 + 8 >= q_len};
+#pragma unroll
+  for (int i = 0; i < cute::size(o); ++i) {
+    if (padded[frag_row(i)]) o(i) = 0.f;
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (padded[r]) lse[r] = INFINITY;
+  }
+}
+
 // O *= correction, skipped when no row of this warp changed its max (every factor is then exactly
 // exp2(0) = 1, so skipping is the identity): a warp-uniform branch that saves d/2 FMULs per
 // thread on most blocks of a long row, whose max settles after the first few blocks.

@@ -73,21 +73,25 @@ __device__ __forceinline__ int num_work_items(const TileScheduler& scheduler) {
   return kTailSplit ? scheduler.num_work_items : scheduler.num_tiles;
 }
 
-// Work item `index` of the sequence (producer and consumers walk the same one): its tile and the
-// K/V blocks it visits (block_range, cut to the piece). Without the split, the whole tile.
+// Work item `index` of the sequence (producer and consumers walk the same one): its tile, its
+// batch row's bounds (kSeqBounds: read from sc.seq_bounds when given; else whole rows) and the K/V
+// blocks it visits (block_range, cut to the piece). Without the split, the whole tile.
 struct ItemBlocks {
   TileCoord tile;
+  RowBounds bounds;
   PieceRange piece;
 };
-template <bool kTailSplit>
+template <bool kTailSplit, bool kSeqBounds>
 __device__ __forceinline__ ItemBlocks item_blocks(const TileScheduler& scheduler, int index,
                                                   int block_m, int block_n,
                                                   const FlashFwdScalars& sc) {
   const WorkItem item = kTailSplit ? scheduler.item(index, gridDim.x)
                                    : WorkItem{scheduler.coord(index, gridDim.x), kWholeTile};
-  const BlockRange whole = block_range(item.tile.m_block, block_m, block_n, sc.s_q, sc.s_k,
-                                       sc.window_left, sc.window_right);
-  return {item.tile, piece_range(whole, item.piece)};
+  const RowBounds bounds =
+      row_bounds(kSeqBounds ? sc.seq_bounds : nullptr, item.tile.batch, sc.s_q, sc.s_k);
+  const BlockRange whole = block_range<kSeqBounds>(item.tile.m_block, block_m, block_n, bounds,
+                                                   sc.window_left, sc.window_right);
+  return {item.tile, bounds, piece_range(whole, item.piece)};
 }
 
 // Tiles to split for num_tiles tiles on grid CTAs (0: none): the last round must leave at least
