@@ -40,7 +40,7 @@ def _kernel_unsupported_reason(target: str, q) -> str | None:
   """None if `target` can run this call on the GPU, else the reason it cannot."""
   if not _ffi.kernels_available():
     return _ffi.kernels_unavailable_reason()
-  if target == "jax_fa3_flash_bwd" and not backward_kernel_enabled():
+  if target.startswith("jax_fa3_flash_bwd") and not backward_kernel_enabled():
     return f"{BACKWARD_KERNEL_ENV}=0: the backward uses the pure-JAX path"
   if not _ffi.has_target(target):
     return f"this build has no {target} kernel"
@@ -125,29 +125,90 @@ def backward_local(q, k, v, out, lse, dout, cfg: AttentionConfig, dlse=None):
                                     default=ref)
 
 
-# Sequence lengths and segment ids (jax_fa3.flash_attention's padding arguments) run the pure-JAX
-# path for now: the kernels do not take them yet.
-_MASKS_REASON = ("sequence lengths and segment ids run the pure-JAX path (the kernels do not "
-                 "take them yet)")
+# Padded batches: per-row lengths and mask diagonals (q_lengths, kv_lengths, diagonals; see
+# `reference.attention_forward`'s masks), optionally followed by segment ids. Without segment ids
+# they can run on the kernels' bounded variants (cuda/common/seq_bounds.h), which skip the
+# padding's tiles; those variants are experimental and opt-in (JAX_FA3_PADDED_KERNELS=1). With
+# segment ids the pure-JAX path runs, on every platform.
+PADDED_KERNELS_ENV = "JAX_FA3_PADDED_KERNELS"
+_SEGMENTS_REASON = "segment ids run the pure-JAX path (the kernels do not take them)"
 
 
-def _announce_masks():
-  if _ffi.kernels_available():
-    _ffi.announce_once(_MASKS_REASON, f"jax_fa3: {_MASKS_REASON}")
+def padded_kernels_enabled() -> bool:
+  return os.environ.get(PADDED_KERNELS_ENV, "0") == "1"
 
 
-def forward_local_masked(q, k, v, q_lengths, kv_lengths, q_segments, kv_segments,
-                         cfg: AttentionConfig):
-  """forward_local with padding masks (`jax_fa3._validation.padding_masks`)."""
-  _announce_masks()
-  masks = (q_lengths, kv_lengths, q_segments, kv_segments)
-  return reference.attention_forward(q, k, v, masks=masks, **cfg.kwargs())
+def _use_padded_kernel(target: str, q, masks) -> bool:
+  if len(masks) > 3:
+    if _ffi.kernels_available():
+      _ffi.announce_once(_SEGMENTS_REASON, f"jax_fa3: {_SEGMENTS_REASON}")
+    return False
+  if not padded_kernels_enabled():
+    if _ffi.kernels_available():
+      reason = (f"padded batches (sequence lengths) run the pure-JAX path unless "
+                f"{PADDED_KERNELS_ENV}=1 (the kernels' padded-batch variants are experimental)")
+      _ffi.announce_once(reason, f"jax_fa3: {reason}")
+    return False
+  return _use_kernel(target, q)
 
 
-def backward_local_masked(q, k, v, out, lse, dout, q_lengths, kv_lengths, q_segments,
-                          kv_segments, cfg: AttentionConfig, dlse=None):
-  """backward_local with the forward's padding masks."""
-  _announce_masks()
-  masks = (q_lengths, kv_lengths, q_segments, kv_segments)
-  return reference.attention_backward(q, k, v, out, lse, dout, dlse=dlse, masks=masks,
-                                      **cfg.kwargs())
+def _seq_bounds(q_lengths, kv_lengths, diagonals):
+  """The kernels' per-row bounds: int32 (b, 4) rows (q_len, k_len, diag, 0)."""
+  rows = (q_lengths, kv_lengths, diagonals, jnp.zeros_like(q_lengths))
+  return jnp.stack([x.astype(jnp.int32) for x in rows], axis=1)
+
+
+def _padded_forward_kernel(cfg: AttentionConfig):
+  def call(q, k, v, q_lengths, kv_lengths, diagonals):
+    b, s_q, h, _ = q.shape
+    result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                    jax.ShapeDtypeStruct((b, h, s_q), jnp.float32))
+    return _ffi.call("jax_fa3_flash_fwd_bounded", result_types, q, k, v,
+                     _seq_bounds(q_lengths, kv_lengths, diagonals), **_window_attrs(cfg))
+
+  return fold_vmap_into_batch(call)
+
+
+def _padded_backward_kernel(cfg: AttentionConfig):
+  def call(q, k, v, out, dout, lse, q_lengths, kv_lengths, diagonals):
+    b, s_q, h, d = q.shape
+    workspace = _ffi.flash_bwd_workspace_bytes(b, h, s_q, d, cfg.deterministic)
+    result_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)) + (
+        jax.ShapeDtypeStruct((workspace,), jnp.uint8),)
+    dq, dk, dv, _ = _ffi.call("jax_fa3_flash_bwd_bounded", result_types, q, k, v, out, dout, lse,
+                              _seq_bounds(q_lengths, kv_lengths, diagonals),
+                              deterministic=np.bool_(cfg.deterministic), **_window_attrs(cfg))
+    return dq, dk, dv
+
+  batched = fold_vmap_into_batch(call)
+  return lambda q, k, v, out, lse, dout, *masks: batched(q, k, v, out, dout, lse, *masks)
+
+
+def forward_local_masked(q, k, v, *masks_and_cfg):
+  """forward_local over a padded batch: `*masks, cfg` with masks as above."""
+  *masks, cfg = masks_and_cfg
+
+  def ref(q, k, v, *masks):
+    return reference.attention_forward(q, k, v, masks=masks, **cfg.kwargs())
+
+  if not _use_padded_kernel("jax_fa3_flash_fwd_bounded", q, masks):
+    return ref(q, k, v, *masks)
+  _ffi.check_kernel_sizes(q.shape, k.shape)
+  return jax.lax.platform_dependent(q, k, v, *masks, cuda=_padded_forward_kernel(cfg),
+                                    default=ref)
+
+
+def backward_local_masked(q, k, v, out, lse, dout, *masks_and_cfg, dlse=None):
+  """backward_local with the forward's masks: `*masks, cfg`."""
+  *masks, cfg = masks_and_cfg
+
+  def ref(q, k, v, out, lse, dout, *masks):
+    return reference.attention_backward(q, k, v, out, lse, dout, dlse=dlse, masks=masks,
+                                        **cfg.kwargs())
+
+  # The kernels take no lse cotangent: gradients through a returned lse use the reference.
+  if dlse is not None or not _use_padded_kernel("jax_fa3_flash_bwd_bounded", q, masks):
+    return ref(q, k, v, out, lse, dout, *masks)
+  _ffi.check_kernel_sizes(q.shape, k.shape)
+  return jax.lax.platform_dependent(q, k, v, out, lse, dout, *masks,
+                                    cuda=_padded_backward_kernel(cfg), default=ref)

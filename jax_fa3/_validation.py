@@ -152,9 +152,10 @@ def check_int_array(name: str, x: Any, shape: tuple, meaning: str):
 def padding_masks(q, k, *, query_seq_lengths=None, key_value_seq_lengths=None,
                   q_segment_ids=None, kv_segment_ids=None):
   """Validates flash_attention's padding arguments; returns None when none is given, else the
-  int32 tuple (q_lengths (b,), kv_lengths (b,), q_segment_ids (b, s_q), kv_segment_ids (b, s_k))
-  with the missing pieces filled (full lengths, one segment). Lengths known at trace time must
-  lie in [0, seqlen]; traced ones are clamped there."""
+  int32 masks of `jax_fa3.attention.masked_attention`: (q_lengths (b,), kv_lengths (b,),
+  diagonals (b,)) with missing lengths full and every diagonal seqlen_k - seqlen_q (the arrays'
+  bottom-right alignment), then (q_segment_ids (b, s_q), kv_segment_ids (b, s_k)) when given.
+  Lengths known at trace time must lie in [0, seqlen]; traced ones are clamped there."""
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("give q_segment_ids and kv_segment_ids together (the same array twice for "
                      "self-attention), or neither")
@@ -172,10 +173,10 @@ def padding_masks(q, k, *, query_seq_lengths=None, key_value_seq_lengths=None,
       raise ValueError(f"{name} must lie in [0, {s}] (the padded sequence length), got values "
                        f"from {values.min()} to {values.max()}")
     lengths.append(jnp.clip(jnp.asarray(x, jnp.int32), 0, s))
+  diagonals = jnp.full((b,), s_k - s_q, jnp.int32)
   if q_segment_ids is None:
-    segments = [jnp.zeros((b, s_q), jnp.int32), jnp.zeros((b, s_k), jnp.int32)]
-  else:
-    check_int_array("q_segment_ids", q_segment_ids, (b, s_q), "(batch, seqlen_q)")
-    check_int_array("kv_segment_ids", kv_segment_ids, (b, s_k), "(batch, seqlen_k)")
-    segments = [jnp.asarray(q_segment_ids, jnp.int32), jnp.asarray(kv_segment_ids, jnp.int32)]
-  return (*lengths, *segments)
+    return (*lengths, diagonals)
+  check_int_array("q_segment_ids", q_segment_ids, (b, s_q), "(batch, seqlen_q)")
+  check_int_array("kv_segment_ids", kv_segment_ids, (b, s_k), "(batch, seqlen_k)")
+  return (*lengths, diagonals, jnp.asarray(q_segment_ids, jnp.int32),
+          jnp.asarray(kv_segment_ids, jnp.int32))

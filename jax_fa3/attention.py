@@ -42,25 +42,28 @@ BACKWARD_DLSE = _partitioning.AttentionOp(
     _local_backward_dlse, _ring_backward_dlse, ring.ring_unsupported_reason)
 
 
-# With padding masks (sequence lengths, segment ids): no ring body (a sequence split is gathered,
-# queries included: the masks depend on absolute positions).
-_MASKS = ("lens", "lens", "qseg", "kseg")
-FORWARD_MASKED = _partitioning.AttentionOp(
-    "flash_fwd_masked", ("q", "kv", "kv") + _MASKS, ("q", "row"),
-    _local_attention.forward_local_masked, split_queries=False)
-BACKWARD_MASKED = _partitioning.AttentionOp(
-    "flash_bwd_masked", ("q", "kv", "kv", "q", "row", "q") + _MASKS, ("q", "kv", "kv"),
-    _local_attention.backward_local_masked, split_queries=False)
-
-
+# Padded batches (`jax_fa3._local_attention.forward_local_masked`'s masks): no ring body (a
+# sequence split is gathered, queries included: the masks depend on absolute positions). One op
+# family per mask layout: per-row lengths and diagonals, and those plus segment ids.
 def _local_backward_masked_dlse(q, k, v, out, lse, dout, dlse, *masks_and_cfg):
-  *masks, cfg = masks_and_cfg
-  return _local_attention.backward_local_masked(q, k, v, out, lse, dout, *masks, cfg, dlse=dlse)
+  return _local_attention.backward_local_masked(q, k, v, out, lse, dout, *masks_and_cfg,
+                                                dlse=dlse)
 
 
-BACKWARD_MASKED_DLSE = _partitioning.AttentionOp(
-    "flash_bwd_masked_dlse", ("q", "kv", "kv", "q", "row", "q", "row") + _MASKS, ("q", "kv", "kv"),
-    _local_backward_masked_dlse, split_queries=False)
+def _masked_ops(name, masks):
+  def op(kind, operands, results, local):
+    return _partitioning.AttentionOp(f"flash_{kind}_{name}", operands + masks, results, local,
+                                     split_queries=False)
+  return (op("fwd", ("q", "kv", "kv"), ("q", "row"), _local_attention.forward_local_masked),
+          op("bwd", ("q", "kv", "kv", "q", "row", "q"), ("q", "kv", "kv"),
+             _local_attention.backward_local_masked),
+          op("bwd_dlse", ("q", "kv", "kv", "q", "row", "q", "row"), ("q", "kv", "kv"),
+             _local_backward_masked_dlse))
+
+
+_ROW_BOUNDS = ("lens", "lens", "lens")  # q_lengths, kv_lengths, diagonals
+MASKED_OPS = {3: _masked_ops("padded", _ROW_BOUNDS),
+              5: _masked_ops("segmented", _ROW_BOUNDS + ("qseg", "kseg"))}
 
 
 def partitioned_forward(q, k, v, cfg: AttentionConfig):
@@ -118,23 +121,33 @@ def _masked_attention(q, k, v, masks, cfg: AttentionConfig, with_lse: bool):
 
 
 def _masked_attention_fwd(q, k, v, masks, cfg, with_lse):
-  out, lse = _partitioning.call_partitioned(FORWARD_MASKED, (q, k, v, *masks), cfg)
+  forward, _, _ = MASKED_OPS[len(masks)]
+  out, lse = _partitioning.call_partitioned(forward, (q, k, v, *masks), cfg)
   return ((out, lse) if with_lse else out), (q, k, v, masks, out, lse)
 
 
 def _masked_attention_bwd(cfg, with_lse, residuals, cotangents):
   q, k, v, masks, out, lse = residuals
+  _, backward, backward_dlse = MASKED_OPS[len(masks)]
   if with_lse:
     dout, dlse = cotangents
-    grads = _partitioning.call_partitioned(BACKWARD_MASKED_DLSE,
+    grads = _partitioning.call_partitioned(backward_dlse,
                                            (q, k, v, out, lse, dout, dlse, *masks), cfg)
   else:
-    grads = _partitioning.call_partitioned(BACKWARD_MASKED, (q, k, v, out, lse, cotangents,
-                                                             *masks), cfg)
+    grads = _partitioning.call_partitioned(backward, (q, k, v, out, lse, cotangents, *masks),
+                                           cfg)
   return (*grads, (None,) * len(masks))  # integer masks: no cotangent
 
 
 _masked_attention.defvjp(_masked_attention_fwd, _masked_attention_bwd)
+
+
+def masked_attention(q, k, v, masks, cfg: AttentionConfig, return_lse: bool):
+  """Attention over a padded batch, differentiable in q, k, v: masks = int32 (q_lengths (b,),
+  kv_lengths (b,), diagonals (b,)), optionally followed by (q_segment_ids (b, s_q),
+  kv_segment_ids (b, s_k)), as `jax_fa3.reference.attention_forward` reads them. For the callers
+  that validated their own arguments (flash_attention, varlen, the KV cache)."""
+  return _masked_attention(q, k, v, tuple(masks), cfg, bool(return_lse))
 
 
 def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
@@ -161,9 +174,10 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     q_segment_ids, kv_segment_ids: optional int32 (batch, seqlen_q) / (batch, seqlen_k) arrays,
       given together (the same array twice for self-attention on packed rows): query i sees key
       j only when their ids are equal, on top of causal / window / lengths.
-      With any of these four, the call runs the pure-JAX path for now, on every platform (the
-      kernels do not take them yet; announced once on the `jax_fa3` logger); ring attention
-      gathers a split sequence.
+      Lengths alone run on the kernels' padded-batch variants, which skip the padding's tiles,
+      when JAX_FA3_PADDED_KERNELS=1 (experimental); otherwise, and always with segment ids, the
+      pure-JAX path runs, on every platform (announced once on the `jax_fa3` logger). Ring
+      attention gathers a split sequence.
 
   Returns:
     out with q's shape and dtype, or (out, lse) when return_lse.
@@ -174,7 +188,7 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
                         key_value_seq_lengths=key_value_seq_lengths, q_segment_ids=q_segment_ids,
                         kv_segment_ids=kv_segment_ids)
   if masks is not None:
-    return _masked_attention(q, k, v, masks, cfg, bool(return_lse))
+    return masked_attention(q, k, v, masks, cfg, return_lse)
   if return_lse:
     return _attention_with_lse(q, k, v, cfg)
   return _attention(q, k, v, cfg)

@@ -1,10 +1,10 @@
 """jax_fa3.flash_attention_with_kvcache: attention of new queries against a KV cache, contiguous or
 paged, appending new keys and values first (FlashAttention's `flash_attn_with_kvcache`).
 
-Until the kernels read caches themselves, the call gathers each row's valid keys into a batch in
-which they end the row (so that the batch's bottom-right alignment is the row's own: query i of
-s_q new queries sees key j <= i + len - s_q), marks the rest with segment ids and runs
-`flash_attention`: correct on every platform, with a copy of the visible cache per call.
+The call runs padded-batch attention over the cache: each row's length is its key count and its
+mask diagonal its own (query i of s_q new queries sees key j <= i + len - s_q). A contiguous
+cache is read in place; paged, row-indexed and FP8 caches are first gathered (and dequantized)
+into logical order, a copy per call, until a kernel reads pages itself.
 """
 from __future__ import annotations
 
@@ -13,12 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fa3 import _fp8_quantize
-from jax_fa3.attention import flash_attention
+from jax_fa3.attention import masked_attention
 from jax_fa3.fp8 import check_block_size, check_quantized, is_pair
 from jax_fa3._config import DEFAULT_BLOCK_SIZE
-from jax_fa3._validation import check_array, check_attention_dtypes, check_int_array
-
-_TOKEN, _KEY_PAD = 0, 2  # segment ids: real keys (and every query), cache slots past a row's length
+from jax_fa3._validation import (attention_config, check_array, check_attention_dtypes,
+                                 check_int_array)
 
 
 def _layout(q, k_cache, v_cache, page_table, cache_batch_idx):
@@ -154,9 +153,10 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
   a row's capacity is dropped (never written elsewhere), lengths are clamped to [0, capacity]
   and out-of-range page or row indices are clamped when read.
 
-  Forward only (no gradient). It runs the pure-JAX path for now, on every platform: it gathers
-  each row's visible cache (a copy per call) and runs `flash_attention` with segment ids; the
-  paged, split-KV decoding kernels are not written yet.
+  Forward only (no gradient). A contiguous bf16/fp16 cache is attended in place, on the kernels'
+  padded-batch variants when JAX_FA3_PADDED_KERNELS=1 (experimental), else on the pure-JAX
+  path; paged, row-indexed (cache_batch_idx) and FP8 caches are gathered first (a copy per
+  call; no kernel reads pages yet). The split-KV decoding path is not written yet.
   """
   check_array("q", q, rank=4)
   fp8 = is_pair(k_cache) or is_pair(v_cache)
@@ -211,28 +211,29 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     v_cache = _append(v_cache, v, first, slots)
   length = jnp.clip(first + s_new, 0, capacity)
 
-  # Each row's valid keys moved to the end of a (batch, capacity) row: slot t holds logical key
-  # t - (capacity - length).
-  where, offset = slots
-  logical = jnp.arange(capacity)[None, :] - (capacity - length[:, None])
-  real = logical >= 0
-  pick = jnp.clip(logical, 0, capacity - 1)
-  rows = jnp.clip(jnp.take_along_axis(where, pick, axis=1), 0, k_cache.shape[0] - 1)
-  positions = jnp.take_along_axis(offset, pick, axis=1)
-  if fp8:  # gathered, then dequantized: only the visible slots are expanded
-    def gather(stored):
-      values, scales = stored
-      slot_scales = jnp.swapaxes(scales, 1, 2)[rows, positions // block_size]  # (b, cap, h_k)
-      return (values[rows, positions].astype(jnp.float32) * slot_scales[..., None]).astype(q.dtype)
-    keys, values = gather(stored_k), gather(stored_v)
+  if page_table is None and cache_batch_idx is None and not fp8:
+    # Batch row r is cache row r, its keys in logical order: attended in place.
+    keys, values = k_cache, v_cache
   else:
-    keys, values = k_cache[rows, positions], v_cache[rows, positions]
-  k_segments = jnp.where(real, _TOKEN, _KEY_PAD).astype(jnp.int32)
-  q_segments = jnp.full((b, s_q), _TOKEN, jnp.int32)
-  result = flash_attention(q, jax.lax.stop_gradient(keys), jax.lax.stop_gradient(values),
-                           softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                           softcap=softcap, return_lse=return_lse, q_segment_ids=q_segments,
-                           kv_segment_ids=k_segments)
+    # Each row's logical slots gathered into a (batch, capacity) row.
+    rows, positions = slots
+    rows = jnp.clip(rows, 0, k_cache.shape[0] - 1)
+    if fp8:  # gathered, then dequantized
+      def gather(stored):
+        values, scales = stored
+        slot_scales = jnp.swapaxes(scales, 1, 2)[rows, positions // block_size]  # (b, cap, h_k)
+        return (values[rows, positions].astype(jnp.float32)
+                * slot_scales[..., None]).astype(q.dtype)
+      keys, values = gather(stored_k), gather(stored_v)
+    else:
+      keys, values = k_cache[rows, positions], v_cache[rows, positions]
+  cfg = attention_config(q, keys, values, softmax_scale=softmax_scale, causal=causal,
+                         window_size=window_size, softcap=softcap, deterministic=False)
+  # Row r: every query is real, its first length[r] slots are keys, and query i's mask is
+  # centred on key i + length[r] - s_q.
+  masks = (jnp.full((b,), s_q, jnp.int32), length, length - s_q)
+  result = masked_attention(q, jax.lax.stop_gradient(keys), jax.lax.stop_gradient(values), masks,
+                            cfg, return_lse)
   if k is None:
     return result
   if fp8:

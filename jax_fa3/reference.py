@@ -140,20 +140,26 @@ class _Problem:
         (b, 1, 1, block_q, block_k) given per-batch tags (see `_block_tags`)."""
         query = q_block_index * self.block_q + jnp.arange(self.block_q)[:, None]
         key = k_block_index * self.block_k + jnp.arange(self.block_k)[None, :]
-        diagonal = query + (self.s_k - self.s_q)  # bottom-right alignment
-        visible = key < self.s_k  # padded keys are never visible
-        if self.window_left >= 0:
-            visible &= key >= diagonal - self.window_left
-        if self.window_right >= 0:
-            visible &= key <= diagonal + self.window_right
         if q_tags is None:
-            return visible
-        (q_length, q_segment), (k_length, k_segment) = q_tags, k_tags
+            return self._in_window(query, key, self.s_k - self.s_q)  # bottom-right alignment
+        (q_length, diagonal, q_segment), (k_length, k_segment) = q_tags, k_tags
+        query, key = query[None], key[None]
         # Positions past a row's length are padding: they neither see nor are seen.
-        visible = (visible[None] & (query[None] < q_length[:, None, None])
-                   & (key[None] < k_length[:, None, None])
-                   & (q_segment[:, :, None] == k_segment[:, None, :]))
+        visible = (self._in_window(query, key, diagonal[:, None, None])
+                   & (query < q_length[:, None, None]) & (key < k_length[:, None, None]))
+        if q_segment is not None:
+            visible &= q_segment[:, :, None] == k_segment[:, None, :]
         return visible[:, None, None]
+
+    def _in_window(self, query, key, diagonal):
+        """Key inside the sequence and the window centred on key query + diagonal."""
+        centre = query + diagonal
+        visible = key < self.s_k  # keys past the blocks' end are never visible
+        if self.window_left >= 0:
+            visible &= key >= centre - self.window_left
+        if self.window_right >= 0:
+            visible &= key <= centre + self.window_right
+        return visible
 
     def scores(self, q_block, k_block):
         """Soft-capped scores (b, h_k, group, block_q, block_k) and tanh(raw / softcap) or None."""
@@ -174,19 +180,29 @@ class _Problem:
 
 
 def _block_tags(masks, s_q, s_k, block_q, block_k):
-    """Per-batch masking inputs split into blocks: (q_tags, k_tags), each (lengths broadcast to
-    (n_blocks, b), segment ids (n_blocks, b, block)), scanned along with their blocks; or
-    (None, None) without masks. masks = (q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)."""
+    """Per-batch masking inputs split into blocks, scanned along with their blocks: q_tags =
+    (q_lengths, diagonals, q segment ids or None), k_tags = (kv_lengths, kv segment ids or None),
+    per-row values broadcast to (n_blocks, b), segment ids (n_blocks, b, block); or (None, None)
+    without masks. masks: see `attention_forward`."""
     if masks is None:
         return None, None
-    q_length, k_length, q_segment, k_segment = masks
+    q_length, k_length, diagonal, *segments = masks
+    q_segment, k_segment = segments or (None, None)
 
-    def tags(length, segment, seqlen, block):
+    def per_row(x, seqlen, block):
+        return jnp.broadcast_to(x, (_num_blocks(seqlen, block),) + x.shape)
+
+    def per_token(segment, seqlen, block):
+        if segment is None:
+            return None
         n = _num_blocks(seqlen, block)
         blocked = _pad_axis(segment, 1, n * block).reshape(segment.shape[0], n, block)
-        return jnp.broadcast_to(length, (n,) + length.shape), jnp.swapaxes(blocked, 0, 1)
+        return jnp.swapaxes(blocked, 0, 1)
 
-    return tags(q_length, q_segment, s_q, block_q), tags(k_length, k_segment, s_k, block_k)
+    q_tags = (per_row(q_length, s_q, block_q), per_row(diagonal, s_q, block_q),
+              per_token(q_segment, s_q, block_q))
+    k_tags = (per_row(k_length, s_k, block_k), per_token(k_segment, s_k, block_k))
+    return q_tags, k_tags
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,10 +254,12 @@ def attention_forward(q, k, v, *, softmax_scale, window_left=-1, window_right=-1
       q: (b, s_q, h, d); k, v: (b, s_k, h_k, d) with h % h_k == 0, all of one dtype.
       softmax_scale, window_left, window_right, softcap: see docs/CONTRACTS.md.
       block_q, block_k: block sizes (default: 512, or the sequence length when shorter).
-      masks: optional (q_lengths (b,), kv_lengths (b,), q_segment_ids (b, s_q),
-        kv_segment_ids (b, s_k)), integers: query i of batch row r sees key j only if
-        i < q_lengths[r], j < kv_lengths[r] and their segment ids are equal (and the window
-        allows it); rows that see nothing give out 0 and lse +inf.
+      masks: optional integer arrays (q_lengths (b,), kv_lengths (b,), diagonals (b,)), optionally
+        followed by (q_segment_ids (b, s_q), kv_segment_ids (b, s_k)): query i of batch row r
+        sees key j only if i < q_lengths[r], j < kv_lengths[r], the window centred on key
+        i + diagonals[r] holds j (diagonals[r] = s_k - s_q is the unmasked bottom-right
+        alignment) and their segment ids are equal; rows that see nothing give out 0 and
+        lse +inf.
 
     Returns:
       out (b, s_q, h, d) in q's dtype, and lse (b, h, s_q): float32, or float64 for float64 inputs

@@ -3,23 +3,18 @@
 
 Sequence r owns the tokens cu_seqlens[r] : cu_seqlens[r + 1] of the packed (total_tokens, heads,
 head_dim) arrays. Until the kernels walk a ragged batch themselves, the call gathers the packed
-tokens into a padded (num_seqs, max_seqlen, heads, head_dim) batch, runs `flash_attention` with
-segment ids that mark the padding, and scatters the result back; `jax.grad` flows through the
-gather and scatter. Each sequence is placed at the *end* of its padded row, queries and keys
-alike, so that the batch's bottom-right alignment (query i sees key j <= i + max_k - max_q) is
-each sequence's own (j <= i + len_k - len_q), as FlashAttention aligns varlen causal masks.
+tokens into a padded (num_seqs, max_seqlen, heads, head_dim) batch, sequence r at the start of
+row r, runs padded-batch attention with the sequences' lengths and each row's own mask diagonal
+(query i sees key j <= i + len_k - len_q, as FlashAttention aligns varlen causal masks), and
+scatters the result back; `jax.grad` flows through the gather and scatter.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fa3.attention import flash_attention
-from jax_fa3._validation import check_array, check_attention_dtypes, concrete
-
-# Segment ids of the padded batch: real tokens, and the query and key padding (different ids, so
-# that padding never sees padding).
-_TOKEN, _QUERY_PAD, _KEY_PAD = 0, 1, 2
+from jax_fa3.attention import masked_attention
+from jax_fa3._validation import attention_config, check_array, check_attention_dtypes, concrete
 
 
 def _check_cu_seqlens(name, cu, total, max_seqlen_name, max_seqlen):
@@ -49,14 +44,12 @@ def _check_cu_seqlens(name, cu, total, max_seqlen_name, max_seqlen):
                      f"({lengths.max()})")
 
 
-def _padded_positions(cu, max_seqlen, total):
-  """For the padded (num_seqs, max_seqlen) layout with each sequence at the end of its row: the
+def _padded_positions(cu, lengths, max_seqlen, total):
+  """For the padded (num_seqs, max_seqlen) layout with each sequence at the start of its row: the
   packed token each slot holds (clamped into range) and whether it holds one."""
-  lengths = jnp.clip(cu[1:] - cu[:-1], 0, max_seqlen)
   slot = jnp.arange(max_seqlen)[None, :]
-  start = max_seqlen - lengths[:, None]  # the row's first real slot
-  token = cu[:-1, None] + slot - start
-  real = (slot >= start) & (token < total)
+  token = cu[:-1, None] + slot
+  real = (slot < lengths[:, None]) & (token < total)
   return jnp.clip(token, 0, max(total - 1, 0)), real
 
 
@@ -88,8 +81,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     out (total_q, heads, head_dim) in q's dtype, or (out, lse) with return_lse. A query whose
     sequence has no key (len_k = 0, or a window) gets out 0 and lse +inf.
 
-  Runs as a padded `flash_attention` with segment ids (on the pure-JAX path for now: the kernels
-  do not take segment ids yet), so memory and time follow num_seqs × max_seqlen.
+  Runs as a padded batch (`flash_attention` with sequence lengths: on the kernels, which skip the
+  padding's tiles, when JAX_FA3_PADDED_KERNELS=1, else on the pure-JAX path), so memory follows
+  num_seqs × max_seqlen.
   """
   for name, x in (("q", q), ("k", k), ("v", v)):
     check_array(name, x, rank=3)
@@ -103,15 +97,15 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
                      f"got shapes {tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
   cu_q, cu_k = (jnp.asarray(c, jnp.int32) for c in (cu_seqlens_q, cu_seqlens_k))
-  q_token, q_real = _padded_positions(cu_q, max_seqlen_q, q.shape[0])
-  k_token, k_real = _padded_positions(cu_k, max_seqlen_k, k.shape[0])
+  q_len = jnp.clip(cu_q[1:] - cu_q[:-1], 0, max_seqlen_q)
+  k_len = jnp.clip(cu_k[1:] - cu_k[:-1], 0, max_seqlen_k)
+  q_token, q_real = _padded_positions(cu_q, q_len, max_seqlen_q, q.shape[0])
+  k_token, _ = _padded_positions(cu_k, k_len, max_seqlen_k, k.shape[0])
   q_pad, k_pad, v_pad = _gather(q, q_token), _gather(k, k_token), _gather(v, k_token)
-  q_segments = jnp.where(q_real, _TOKEN, _QUERY_PAD).astype(jnp.int32)
-  k_segments = jnp.where(k_real, _TOKEN, _KEY_PAD).astype(jnp.int32)
-  out, lse = flash_attention(q_pad, k_pad, v_pad, softmax_scale=softmax_scale, causal=causal,
-                             window_size=window_size, softcap=softcap, return_lse=True,
-                             deterministic=deterministic, q_segment_ids=q_segments,
-                             kv_segment_ids=k_segments)
+  cfg = attention_config(q_pad, k_pad, v_pad, softmax_scale=softmax_scale, causal=causal,
+                         window_size=window_size, softcap=softcap, deterministic=deterministic)
+  result = masked_attention(q_pad, k_pad, v_pad, (q_len, k_len, k_len - q_len), cfg, return_lse)
+  out, lse = result if return_lse else (result, None)
   # Back to packed order: slot (r, p) holds token q_token[r, p] where q_real; the others drop.
   total, heads = q.shape[0], q.shape[1]
   flat_token = jnp.where(q_real, q_token, total).reshape(-1)  # total: out of range, dropped

@@ -294,3 +294,4 @@ def test_fp8_cache_errors():
     jax_fa3.flash_attention_with_kvcache(_Q, k8, v8, cache_seqlens=0, block_size=16)
   with pytest.raises(TypeError, match="k_cache values must be float8_e4m3fn"):
     jax_fa3.flash_attention_with_kvcache(_Q, (_KC, k8[1]), v8, cache_seqlens=0, block_size=8)
+

@@ -1,0 +1,200 @@
+"""The kernels' padded-batch variants (jax_fa3_flash_fwd_bounded / _bwd_bounded: per-row query
+and key lengths and mask diagonals, cuda/common/seq_bounds.h) through the public API: lengths in
+`flash_attention`, `flash_attention_varlen` and a contiguous KV cache (GPU only).
+
+Main check, tolerance-free: a padded row's real part computes exactly what the plain kernel
+computes on that row alone (the same tiles in the same order; padded keys contribute exact zeros),
+so out, lse and, in deterministic mode, dq / dk / dv must be bit-identical to the plain kernel on
+the row's slices wherever the row's diagonal is its own bottom-right alignment (k_len - q_len:
+varlen, the KV cache, padded self-attention). The other diagonals (flash_attention with unequal
+padding under a causal or window mask) are held to the float64 oracle. Padding holds random
+finite values (and NaN where the contract allows) and every output is poisoned first, so the
+zeros of padded rows and keys are written, not left over.
+"""
+import os
+
+os.environ["JAX_FA3_DEBUG_POISON_OUTPUTS"] = "1"
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fa3
+from jax_fa3 import _local_attention
+from kernel_build import skip_unless_compiled
+from kernel_targets import (FLASH_BWD, FLASH_BWD_BOUNDED, FLASH_FWD, FLASH_FWD_BOUNDED,
+                            run_on_kernels)
+from oracle import attention_oracle
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _padded_kernels(monkeypatch):
+  monkeypatch.setenv(_local_attention.PADDED_KERNELS_ENV, "1")
+
+
+def _normal(seed, shape, dtype=jnp.bfloat16):
+  return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32).astype(dtype)
+
+
+def _loss_grad(fn, dout):
+  def loss(q, k, v):
+    return jnp.sum(fn(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _bits(x):
+  return np.asarray(x).view(np.uint16)
+
+
+# (s_q, s_k, q_lengths, kv_lengths): empty rows, one token, block edges (64 / 128 / 176 keys per
+# tile across the buckets), all padding and no padding.
+_ROWS = [
+    (300, 300, [300, 1, 0, 129, 64, 200], [300, 1, 0, 129, 64, 200]),
+    (257, 391, [257, 100, 1, 0, 64], [391, 391, 176, 5, 0]),
+]
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("rows", range(len(_ROWS)))
+def test_padded_rows_equal_the_plain_kernel_on_each_row(d, causal, rows):
+  s_q, s_k, q_lens, k_lens = _ROWS[rows]
+  b, h, h_k = len(q_lens), 4, 2
+  q, k, v = _normal(d, (b, s_q, h, d)), _normal(d + 1, (b, s_k, h_k, d)), _normal(d + 2, (b, s_k, h_k, d))
+  dout = _normal(d + 3, (b, s_q, h, d))
+  skip_unless_compiled(q)
+  # Rows whose diagonal is their own alignment: k_len - q_len = s_k - s_q, or no causal mask.
+  same_diag = [not causal or kl - ql == s_k - s_q for ql, kl in zip(q_lens, k_lens)]
+  q_len, k_len = jnp.asarray(q_lens, jnp.int32), jnp.asarray(k_lens, jnp.int32)
+  kw = dict(causal=causal, deterministic=True)
+
+  def padded(q, k, v):
+    return jax_fa3.flash_attention(q, k, v, query_seq_lengths=q_len, key_value_seq_lengths=k_len,
+                                   return_lse=True, **kw)
+
+  out, lse = run_on_kernels(jax.jit(padded), q, k, v, expected={FLASH_FWD_BOUNDED})
+  grads = run_on_kernels(_loss_grad(lambda *a: padded(*a)[0], dout), q, k, v,
+                         expected={FLASH_FWD_BOUNDED, FLASH_BWD_BOUNDED})
+  out, lse = np.asarray(out), np.asarray(lse)
+  dq, dk, dv = (np.asarray(g) for g in grads)
+  for r, (ql, kl) in enumerate(zip(q_lens, k_lens)):
+    # Padding: out 0, lse +inf, zero gradients, always.
+    assert not np.any(np.asarray(out[r, ql:], np.float32)), f"row {r}: padded queries' out"
+    assert np.all(np.isposinf(lse[r, :, ql:])), f"row {r}: padded queries' lse"
+    assert not np.any(np.asarray(dq[r, ql:], np.float32)), f"row {r}: padded queries' dq"
+    assert not np.any(np.asarray(dk[r, kl:], np.float32)), f"row {r}: padded keys' dk"
+    assert not np.any(np.asarray(dv[r, kl:], np.float32)), f"row {r}: padded keys' dv"
+    if ql == 0 or not same_diag[r]:
+      continue
+    sl = lambda x, n: x[r:r + 1, :n]
+    args = (sl(q, ql), sl(k, kl), sl(v, kl))
+    want_out, want_lse = run_on_kernels(
+        jax.jit(lambda q, k, v: jax_fa3.flash_attention(q, k, v, return_lse=True, **kw)), *args,
+        expected={FLASH_FWD})
+    np.testing.assert_array_equal(_bits(out[r:r + 1, :ql]), _bits(want_out), f"row {r}: out")
+    np.testing.assert_array_equal(lse[r:r + 1, :, :ql], np.asarray(want_lse), f"row {r}: lse")
+    if kl == 0:
+      assert not np.any(np.asarray(dq[r], np.float32))
+      continue
+    want = run_on_kernels(_loss_grad(lambda q, k, v: jax_fa3.flash_attention(q, k, v, **kw),
+                                     sl(dout, ql)), *args, expected={FLASH_FWD, FLASH_BWD})
+    for name, got, w, n in (("dq", dq, want[0], ql), ("dk", dk, want[1], kl),
+                            ("dv", dv, want[2], kl)):
+      np.testing.assert_array_equal(_bits(got[r:r + 1, :n]), _bits(w), f"row {r}: {name}")
+
+
+def _oracle_with_diagonals(q, k, v, q_lens, k_lens, diagonals, window, scale):
+  """Float64 out and lse of a padded batch with per-row diagonals: the window mask built here,
+  lengths included, handed to the oracle as its mask."""
+  s_q, s_k = q.shape[1], k.shape[1]
+  i = np.arange(s_q)[None, :, None]
+  j = np.arange(s_k)[None, None, :]
+  centre = i + np.asarray(diagonals)[:, None, None]
+  mask = (i < np.asarray(q_lens)[:, None, None]) & (j < np.asarray(k_lens)[:, None, None])
+  if window[0] >= 0:
+    mask &= j >= centre - window[0]
+  if window[1] >= 0:
+    mask &= j <= centre + window[1]
+  return attention_oracle(np.asarray(q, np.float32), np.asarray(k, np.float32),
+                          np.asarray(v, np.float32), softmax_scale=scale, mask=mask)
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (40, 0), (30, 70)])
+def test_unequal_padding_under_masks_matches_the_oracle(window):
+  # Rows whose padding differs between queries and keys keep the arrays' alignment
+  # (diagonal s_k - s_q), not their own: no plain-kernel twin, so the float64 oracle.
+  b, s_q, s_k, h, d = 4, 333, 300, 4, 128
+  q, k, v = _normal(1, (b, s_q, h, d)), _normal(2, (b, s_k, h, d)), _normal(3, (b, s_k, h, d))
+  skip_unless_compiled(q)
+  q_lens, k_lens = [333, 200, 17, 100], [300, 250, 290, 0]
+  out, lse = run_on_kernels(
+      jax.jit(lambda q, k, v: jax_fa3.flash_attention(
+          q, k, v, window_size=window, return_lse=True,
+          query_seq_lengths=jnp.asarray(q_lens, jnp.int32),
+          key_value_seq_lengths=jnp.asarray(k_lens, jnp.int32))), q, k, v,
+      expected={FLASH_FWD_BOUNDED})
+  want_out, want_lse = _oracle_with_diagonals(q, k, v, q_lens, k_lens, [s_k - s_q] * b, window,
+                                              d ** -0.5)
+  got = np.asarray(out, np.float64)
+  # bf16: the output's own rounding (eps 2^-8 relative) plus P rounded to bf16 before PV.
+  scale = np.abs(want_out).max()
+  np.testing.assert_allclose(got, want_out, atol=1e-2 * scale, rtol=0)
+  empty = np.isposinf(want_lse)
+  np.testing.assert_array_equal(np.isposinf(np.asarray(lse)), empty)
+  np.testing.assert_allclose(np.asarray(lse)[~empty], want_lse[~empty], atol=2e-3, rtol=0)
+
+
+def test_varlen_runs_on_the_padded_kernels_and_matches_each_sequence():
+  lens_q, lens_k = [5, 130, 0, 64, 1], [7, 130, 3, 200, 1]
+  h, d = 4, 128
+  cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+  cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+  q, k, v = _normal(5, (cu_q[-1], h, d)), _normal(6, (cu_k[-1], h, d)), _normal(7, (cu_k[-1], h, d))
+  skip_unless_compiled(q[None])
+  call = jax.jit(lambda q, k, v: jax_fa3.flash_attention_varlen(
+      q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), max(lens_q), max(lens_k), causal=True))
+  out = np.asarray(run_on_kernels(call, q, k, v, expected={FLASH_FWD_BOUNDED}))
+  for r in range(len(lens_q)):
+    a, e = cu_q[r], cu_q[r + 1]
+    if a == e:
+      continue
+    want = jax.jit(lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=True))(
+        q[None, a:e], k[None, cu_k[r]:cu_k[r + 1]], v[None, cu_k[r]:cu_k[r + 1]])
+    np.testing.assert_array_equal(_bits(out[a:e]), _bits(np.asarray(want)[0]), f"sequence {r}")
+
+
+def test_kv_cache_decode_reads_the_cache_in_place_on_the_padded_kernel():
+  b, cap, h, h_k, d = 3, 1000, 8, 2, 128
+  k_cache, v_cache = _normal(8, (b, cap, h_k, d)), _normal(9, (b, cap, h_k, d))
+  q = _normal(10, (b, 1, h, d))
+  skip_unless_compiled(q)
+  lengths = jnp.asarray([1, 999, 517], jnp.int32)
+  call = jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
+      q, kc, vc, cache_seqlens=lengths, causal=True))
+  out = np.asarray(run_on_kernels(call, q, k_cache, v_cache, expected={FLASH_FWD_BOUNDED}))
+  for r, n in enumerate(np.asarray(lengths)):
+    want = jax.jit(lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=True))(
+        q[r:r + 1], k_cache[r:r + 1, :n], v_cache[r:r + 1, :n])
+    np.testing.assert_array_equal(_bits(out[r:r + 1]), _bits(np.asarray(want)), f"row {r}")
+
+
+def test_nan_in_padded_queries_and_keys_stays_out_of_real_rows():
+  # The forward's contract: padded query and key positions may hold anything (an uninitialised
+  # cache); padded values must be finite (0 * NaN in the PV product is NaN, as in any dense
+  # formulation).
+  b, s, h, d = 2, 256, 4, 64
+  q, k, v = _normal(11, (b, s, h, d)), _normal(12, (b, s, h, d)), _normal(13, (b, s, h, d))
+  skip_unless_compiled(q)
+  lens = jnp.asarray([100, 256], jnp.int32)
+  q_nan = q.at[0, 100:].set(jnp.nan)
+  k_nan = k.at[0, 100:].set(jnp.nan)
+  call = jax.jit(lambda q, k, v: jax_fa3.flash_attention(
+      q, k, v, causal=True, query_seq_lengths=lens, key_value_seq_lengths=lens))
+  clean = np.asarray(run_on_kernels(call, q, k, v, expected={FLASH_FWD_BOUNDED}))
+  dirty = np.asarray(call(q_nan, k_nan, v))
+  np.testing.assert_array_equal(_bits(dirty), _bits(clean))
+  assert not np.any(np.asarray(dirty[0, 100:], np.float32))
+
