@@ -2,7 +2,8 @@
 
 One new query token per row (s_q = 1), d = 128, 32 query heads over 4 kv heads (GQA 8:1), bf16,
 every row's cache full to the given length. Peers, same shapes, same cache:
-`jax_fa3` (`flash_attention_with_kvcache`, attend only), `jax_fa3_append` (the same call also
+`jax_fa3` (`flash_attention_with_kvcache`, attend only, split-KV as it chooses),
+`jax_fa3_unsplit` (the same with `num_splits=1`), `jax_fa3_append` (the same call also
 appending the token's k/v, caches donated), `cudnn` / `xla` (`jax.nn.dot_product_attention` with
 `key_value_seq_lengths`). Bandwidth counts the K and V bytes a call must read (batch · length ·
 kv_heads · d · 2 tensors · 2 bytes) over its time; `copy` is the measured device copy bandwidth
@@ -37,6 +38,10 @@ def _peers():
   def ours(q, k_cache, v_cache, lengths):
     return jax_fa3.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths)
 
+  def ours_unsplit(q, k_cache, v_cache, lengths):
+    return jax_fa3.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                                num_splits=1)
+
   def ours_append(q, k_cache, v_cache, lengths, k_new, v_new):
     return jax_fa3.flash_attention_with_kvcache(q, k_cache, v_cache, k_new, v_new,
                                                 cache_seqlens=lengths - 1)
@@ -48,6 +53,7 @@ def _peers():
     return call
 
   peers = {"jax_fa3": (jax.jit(ours), False),
+           "jax_fa3_unsplit": (jax.jit(ours_unsplit), False),
            "jax_fa3_append": (jax.jit(ours_append, donate_argnums=(1, 2)), True),
            "xla": (jax.jit(dpa("xla")), False)}
   if jax.default_backend() == "gpu":

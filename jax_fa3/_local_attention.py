@@ -138,6 +138,13 @@ def padded_kernels_enabled() -> bool:
   return os.environ.get(PADDED_KERNELS_ENV, "0") == "1"
 
 
+def padded_kernels_would_run(q) -> bool:
+  """Whether padded-batch attention at q's shape and dtype takes the kernels (no segment ids;
+  nothing announced)."""
+  return (padded_kernels_enabled()
+          and _kernel_unsupported_reason("jax_fa3_flash_fwd_bounded", q) is None)
+
+
 def _use_padded_kernel(target: str, q, masks) -> bool:
   if len(masks) > 3:
     if _ffi.kernels_available():

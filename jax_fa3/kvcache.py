@@ -12,8 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fa3 import _fp8_quantize
-from jax_fa3.attention import masked_attention
+from jax_fa3 import _cache_attention, _fp8_quantize
 from jax_fa3.fp8 import check_block_size, check_quantized, is_pair
 from jax_fa3._config import DEFAULT_BLOCK_SIZE
 from jax_fa3._validation import (attention_config, check_array, check_attention_dtypes,
@@ -136,8 +135,10 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
       (default: row r).
     softmax_scale, causal, window_size, softcap: as for `flash_attention`, aligned bottom-right
       on each row's own length: query i sees key j <= i + length - seqlen_q.
-    num_splits: how many key ranges a kernel would split a row over (0: its choice). The result
-      does not depend on it; this path ignores it.
+    num_splits: how many equal pieces to cut each row's cache into, attended in parallel and
+      merged by their log-sum-exp (split-KV decoding). 0: chosen to fill the GPU on the kernels
+      (1 elsewhere). Rounded down to a divisor of the capacity; 1 with a left window or a right
+      window > 0. The result depends on it only through rounding.
     return_lse: also return the float32 (batch, heads, seqlen_q) log-sum-exp.
     block_size: FP8 caches: slots per scale (default 64, quantize_fp8's). An append re-quantizes
       the blocks it writes into (their scale from their new contents); the others keep their
@@ -156,7 +157,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
   Forward only (no gradient). A contiguous bf16/fp16 cache is attended in place, on the kernels'
   padded-batch variants when JAX_FA3_PADDED_KERNELS=1 (experimental), else on the pure-JAX
   path; paged, row-indexed (cache_batch_idx) and FP8 caches are gathered first (a copy per
-  call; no kernel reads pages yet). The split-KV decoding path is not written yet.
+  call; no kernel reads pages yet). When decoding (one query per row) the query heads of a kv
+  head share one query tile, and the split and merge are reshapes around the same kernels
+  (`jax_fa3._cache_attention`).
   """
   check_array("q", q, rank=4)
   fp8 = is_pair(k_cache) or is_pair(v_cache)
@@ -229,11 +232,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
       keys, values = k_cache[rows, positions], v_cache[rows, positions]
   cfg = attention_config(q, keys, values, softmax_scale=softmax_scale, causal=causal,
                          window_size=window_size, softcap=softcap, deterministic=False)
-  # Row r: every query is real, its first length[r] slots are keys, and query i's mask is
-  # centred on key i + length[r] - s_q.
-  masks = (jnp.full((b,), s_q, jnp.int32), length, length - s_q)
-  result = masked_attention(q, jax.lax.stop_gradient(keys), jax.lax.stop_gradient(values), masks,
-                            cfg, return_lse)
+  result = _cache_attention.attend(q, jax.lax.stop_gradient(keys), jax.lax.stop_gradient(values),
+                                   length, cfg, bool(return_lse), int(num_splits))
   if k is None:
     return result
   if fp8:

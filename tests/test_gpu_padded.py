@@ -198,3 +198,24 @@ def test_nan_in_padded_queries_and_keys_stays_out_of_real_rows():
   np.testing.assert_array_equal(_bits(dirty), _bits(clean))
   assert not np.any(np.asarray(dirty[0, 100:], np.float32))
 
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_split_kv_decode_matches_the_unsplit_call(causal):
+  # Split-KV (jax_fa3._cache_attention): pieces of a contiguous cache as batch rows of the padded
+  # kernel, merged by lse. The pieces' outputs are rounded to bf16 before the merge, so the
+  # merged out may differ from the unsplit call by a few bf16 roundings of its magnitude.
+  b, cap, h, h_k, d = 2, 4096, 16, 2, 128
+  k_cache, v_cache = _normal(20, (b, cap, h_k, d)), _normal(21, (b, cap, h_k, d))
+  q = _normal(22, (b, 1, h, d))
+  skip_unless_compiled(q)
+  lengths = jnp.asarray([4000, 1300], jnp.int32)
+
+  def call(splits):
+    return jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
+        q, kc, vc, cache_seqlens=lengths, causal=causal, num_splits=splits, return_lse=True))
+
+  out1, lse1 = run_on_kernels(call(1), q, k_cache, v_cache, expected={FLASH_FWD_BOUNDED})
+  out8, lse8 = run_on_kernels(call(8), q, k_cache, v_cache, expected={FLASH_FWD_BOUNDED})
+  out1, out8 = np.asarray(out1, np.float32), np.asarray(out8, np.float32)
+  np.testing.assert_allclose(out8, out1, atol=4 * 2**-8 * np.abs(out1).max(), rtol=0)
+  np.testing.assert_allclose(np.asarray(lse8), np.asarray(lse1), atol=1e-4, rtol=1e-5)

@@ -79,10 +79,13 @@ def _unpage(pool, table):
     (2, 5, False, (4, 0)),     # a window
 ])
 @pytest.mark.parametrize("paged", [False, True])
-def test_matches_oracle(s_q, s_new, causal, window, paged):
+# Split-KV: 3 pieces of 8 slots (some rows' pieces empty, partial or whole), 5 rounded down to 4
+# (a divisor of the capacity, 24); both merge by lse. 0 is 1 off the kernels.
+@pytest.mark.parametrize("num_splits", [0, 3, 5])
+def test_matches_oracle(s_q, s_new, causal, window, paged, num_splits):
   q, k_cache, v_cache, k, v = _case(s_q * 10 + s_new, s_q, s_new)
   want_k, want_v = _appended(k_cache, k, LENGTHS), _appended(v_cache, v, LENGTHS)
-  options = dict(causal=causal, window_size=window)
+  options = dict(causal=causal, window_size=window, num_splits=num_splits)
   if paged:
     (k_cache, table), (v_cache, _) = _paged(k_cache, 1), _paged(v_cache, 1)
     options["page_table"] = table
@@ -295,3 +298,22 @@ def test_fp8_cache_errors():
   with pytest.raises(TypeError, match="k_cache values must be float8_e4m3fn"):
     jax_fa3.flash_attention_with_kvcache(_Q, (_KC, k8[1]), v8, cache_seqlens=0, block_size=8)
 
+
+def test_split_and_packing_choices():
+  """The reshapes around the kernels: GQA decode packs the query heads of a kv head into query
+  rows, split-KV cuts the cache only where its masks stay exact, into a divisor of the capacity."""
+  from jax_fa3 import _cache_attention  # noqa: PLC0415
+  from jax_fa3._config import AttentionConfig  # noqa: PLC0415
+  full, causal = AttentionConfig(softmax_scale=1.0), AttentionConfig(1.0, window_right=0)
+  left, right = AttentionConfig(1.0, window_left=8), AttentionConfig(1.0, window_right=3)
+  assert _cache_attention.num_splits(5, 1, 4, 2, 24, full, False) == 4
+  assert _cache_attention.num_splits(7, 1, 4, 2, 24, causal, False) == 6
+  assert _cache_attention.num_splits(100, 1, 4, 2, 24, causal, False) == 24
+  assert _cache_attention.num_splits(4, 1, 4, 2, 24, left, False) == 1
+  assert _cache_attention.num_splits(4, 1, 4, 2, 24, right, False) == 1
+  assert _cache_attention.num_splits(0, 1, 4, 2, 1 << 17, causal, False) == 1
+  # On the kernels: enough tiles for the GPU, pieces of at least MIN_KEYS_PER_SPLIT keys.
+  chosen = _cache_attention.num_splits(0, 1, 8, 4, 1 << 17, causal, True)
+  assert 1 < chosen <= (1 << 17) // _cache_attention.MIN_KEYS_PER_SPLIT
+  assert (1 << 17) % chosen == 0
+  assert _cache_attention.num_splits(0, 1, 8, 4, 1024, causal, True) <= 2

@@ -20,7 +20,7 @@ LAYERS = (
      ("hadamard", "_local_attention", "_fp8_quantize", "_fp8_emulation", "_fp8_forward")),
     ("partitioning rules", ("_partitioning",)),
     ("ring attention", ("ring",)),
-    ("public API", ("attention", "fp8", "varlen", "kvcache")),
+    ("public API", ("attention", "fp8", "varlen", "_cache_attention", "kvcache")),
     ("package, tools and Flax layers",
      ("__init__", "_bench", "__main__", "flax.rotation", "flax.attention_fn", "flax.linen",
       "flax.nnx_layers", "flax.__init__")),

@@ -1,0 +1,112 @@
+"""Attention of a few new queries over a KV cache laid out as a padded batch (row r holds
+lengths[r] keys), shaped for the kernels: GQA query heads packed into the query tile when
+decoding, and the keys split across CTAs (split-KV, "flash-decoding") with the partial results
+merged by their log-sum-exp.
+
+Both are reshapes around padded-batch attention (`jax_fa3.attention.masked_attention`), so they
+hold on every path: the reference computes the same split and merge as the kernels.
+- GQA packing (one query per row, query heads per kv head `group` > 1, no left window): the
+  group's query heads become `group` query rows of one head, so one tile reads each K/V block
+  once for the whole group instead of once per query head.
+- Split-KV (no left window, right window 0 or none: each split's mask is then exact): the cache
+  axis is cut into `num_splits` equal pieces (a free reshape of a contiguous cache), the queries
+  repeated per piece, each piece attended as its own batch row with its own length and diagonal,
+  and the pieces merged: out = sum_i w_i out_i, w_i = exp(lse_i - lse), lse = logsumexp_i lse_i.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_fa3 import _local_attention
+from jax_fa3._config import AttentionConfig
+from jax_fa3.attention import masked_attention
+
+# Split-KV: pieces of at least this many keys (shorter ones cost more in the merge and in
+# repeated query loads than they gain in parallelism), and the tiles to aim for per SM.
+MIN_KEYS_PER_SPLIT = 512
+TILES_PER_SM = 2
+_QUERY_ROWS_PER_TILE = 128  # the forward kernels' query tile
+
+
+def _sm_count() -> int:
+  device = jax.devices()[0]
+  return int(getattr(device, "core_count", 0) or 132)
+
+
+def num_splits(requested: int, b: int, rows: int, heads: int, capacity: int,
+               cfg: AttentionConfig, on_kernels: bool) -> int:
+  """How many pieces to cut each row's keys into: `requested`, or with 0 enough tiles to fill
+  the GPU (kernels only; 1 elsewhere), rounded down to a divisor of `capacity` (the pieces are a
+  reshape); 1 where a split mask would not be exact (a left window, a right window > 0)."""
+  if cfg.window_left >= 0 or cfg.window_right > 0 or capacity < 2:
+    return 1
+  if requested == 0:
+    if not on_kernels:
+      return 1
+    tiles = b * heads * -(-rows // _QUERY_ROWS_PER_TILE)
+    requested = max(1, min(TILES_PER_SM * _sm_count() // tiles, capacity // MIN_KEYS_PER_SPLIT))
+  n = max(1, min(requested, capacity))
+  while capacity % n:
+    n -= 1
+  return n
+
+
+def _merge(out, lse, b, n):
+  """Pieces (b * n, rows, heads, d) and their lse (b * n, heads, rows) -> the rows' out (float32)
+  and lse. An empty piece (lse +inf) weighs 0; a row whose every piece is empty gets out 0 and
+  lse +inf."""
+  out = out.reshape((b, n) + out.shape[1:]).astype(jnp.float32)
+  lse = lse.reshape((b, n) + lse.shape[1:])
+  lse = jnp.where(jnp.isposinf(lse), -jnp.inf, lse)
+  top = lse.max(axis=1)
+  top = jnp.where(jnp.isneginf(top), 0.0, top)
+  weight = jnp.exp(lse - top[:, None])  # (b, n, heads, rows)
+  total = weight.sum(axis=1)
+  empty = total == 0
+  total = jnp.where(empty, 1.0, total)
+  merged_lse = jnp.where(empty, jnp.inf, top + jnp.log(total))
+  weight = jnp.swapaxes(weight / total[:, None], 2, 3)[..., None]  # (b, n, rows, heads, 1)
+  return (weight * out).sum(axis=1), merged_lse
+
+
+def attend(q, keys, values, lengths, cfg: AttentionConfig, return_lse: bool,
+           requested_splits: int):
+  """out (b, s_q, h, d) in q's dtype (and the float32 lse (b, h, s_q) with return_lse) of q
+  against keys / values (b, capacity, h_k, d), row r's first lengths[r] slots being its keys and
+  query i's mask centred on key i + lengths[r] - s_q."""
+  b, s_q, h, d = q.shape
+  capacity, h_k = keys.shape[1], keys.shape[2]
+  group = h // h_k
+  diagonal = lengths - s_q
+  packed = s_q == 1 and group > 1 and cfg.window_left < 0
+  if packed:
+    # Query head kh * group + g -> row g of kv head kh. Every row sees the row's whole length
+    # (one query: a right window only reaches past it), so the shared diagonal is exact.
+    q = jnp.swapaxes(q.reshape(b, h_k, group, d), 1, 2)
+  rows, heads = q.shape[1], q.shape[2]
+  on_kernels = _local_attention.padded_kernels_would_run(q)
+  n = num_splits(requested_splits, b, rows, heads, capacity, cfg, on_kernels)
+  if n > 1:
+    chunk = capacity // n
+    first = jnp.arange(n, dtype=jnp.int32) * chunk  # each piece's first slot
+    keys = keys.reshape((b * n, chunk) + keys.shape[2:])
+    values = values.reshape((b * n, chunk) + values.shape[2:])
+    q = jnp.repeat(q, n, axis=0)
+    k_len = jnp.clip(lengths[:, None] - first, 0, chunk).reshape(-1)
+    # Pieces past the queries' reach are empty under a causal mask (their keys all lie right of
+    # every diagonal); the clip keeps the diagonal in the kernels' range [-rows, chunk] without
+    # changing what an unbounded or causal window admits.
+    piece_diagonal = jnp.clip(diagonal[:, None] - first, -rows, chunk).reshape(-1)
+    masks = (jnp.full((b * n,), rows, jnp.int32), k_len, piece_diagonal)
+    out, lse = masked_attention(q, keys, values, masks, cfg, True)
+    out, lse = _merge(out, lse, b, n)
+    out = out.astype(q.dtype)
+  else:
+    masks = (jnp.full((b,), rows, jnp.int32), lengths, diagonal)
+    result = masked_attention(q, keys, values, masks, cfg, return_lse)
+    out, lse = result if return_lse else (result, None)
+  if packed:
+    out = jnp.swapaxes(out, 1, 2).reshape(b, 1, h, d)
+    lse = None if lse is None else lse.reshape(b, h, 1)
+  return (out, lse) if return_lse else out
