@@ -172,7 +172,7 @@ def run(head_dims, seqlens, directions, dtype, min_time, causal_modes=(False, Tr
               row["note"] = "output wrong: speed not quoted"
               row["fwd_tflops"] = None
           except Exception as e:  # noqa: BLE001 (one failing peer must not hide the rest)
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            row["error"] = _bench.failure(e)
           if "bwd" in directions and "error" not in row and not peer.forward_only:
             try:
               do = jax.random.normal(sub, q.shape, jnp.float32).astype(q.dtype)
@@ -186,7 +186,7 @@ def run(head_dims, seqlens, directions, dtype, min_time, causal_modes=(False, Tr
                 row["bwd_ms"] = t_bwd * 1e3
                 row["bwd_tflops"] = _bench.attention_flops(b, h, s, s, d, causal, "bwd") / t_bwd / 1e12
             except Exception as e:  # noqa: BLE001
-              row["bwd_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+              row["bwd_error"] = _bench.failure(e)
           rows.append(row)
           print(json.dumps(row), flush=True)
           if on_row is not None:

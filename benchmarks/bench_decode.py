@@ -96,7 +96,7 @@ def run(batches, caches, min_time):
             row["max_abs_diff"] = float(np.max(np.abs(out - reference)))
           row.update(us=seconds * 1e6, gb_per_s=cache_bytes / seconds / 1e9)
         except Exception as e:  # noqa: BLE001 (one failing peer must not hide the rest)
-          row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+          row["error"] = _bench.failure(e)
         rows.append(row)
         print(json.dumps(row), flush=True)
   return rows

@@ -80,7 +80,7 @@ def run(seqlens, d, min_time):
             row["fwd_vs_plain"] = row["fwd_ms"] / base["fwd_ms"]
             row["fwd_bwd_vs_plain"] = row["fwd_bwd_ms"] / base["fwd_bwd_ms"]
         except Exception as e:  # noqa: BLE001 (one failing peer must not hide the rest)
-          row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+          row["error"] = _bench.failure(e)
         rows.append(row)
         print(json.dumps(row), flush=True)
   return rows

@@ -91,7 +91,7 @@ def run(head_dims, seqlens, min_time):
             t_fwd = _bench.median_seconds(jax.jit(forward), q, k, v, min_time=min_time)
             row.update(step_ms=t_step * 1e3, fwd_ms=t_fwd * 1e3, bwd_ms=(t_step - t_fwd) * 1e3)
         except Exception as e:  # noqa: BLE001 (one failing peer must not hide the rest)
-          row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+          row["error"] = _bench.failure(e)
         rows.append(row)
         print(json.dumps(row), flush=True)
   return rows

@@ -148,3 +148,9 @@ def gradient_errors(grads, ref_grads) -> dict[str, float]:
 def random_qkv(key, b, s, h, d, dtype):
   kq, kk, kv = jax.random.split(key, 3)
   return tuple(jax.random.normal(kk_, (b, s, h, d), jnp.float32).astype(dtype) for kk_ in (kq, kk, kv))
+
+
+def failure(e: Exception) -> str:
+  """One line naming an exception, for a benchmark row whose peer failed (the others go on)."""
+  first_line = (str(e).splitlines() or [""])[0]
+  return f"{type(e).__name__}: {first_line[:120]}"

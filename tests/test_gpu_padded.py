@@ -22,6 +22,7 @@ import pytest
 
 import jax_fa3
 from jax_fa3 import _local_attention
+from ffi_probe import ffi_error_message
 from kernel_build import skip_unless_compiled
 from kernel_targets import (FLASH_BWD, FLASH_BWD_BOUNDED, FLASH_FWD, FLASH_FWD_BOUNDED,
                             run_on_kernels)
@@ -219,3 +220,27 @@ def test_split_kv_decode_matches_the_unsplit_call(causal):
   out1, out8 = np.asarray(out1, np.float32), np.asarray(out8, np.float32)
   np.testing.assert_allclose(out8, out1, atol=4 * 2**-8 * np.abs(out1).max(), rtol=0)
   np.testing.assert_allclose(np.asarray(lse8), np.asarray(lse1), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("target,extra_args", [
+    ("jax_fa3_flash_fwd_bounded", ""),
+    ("jax_fa3_flash_bwd_bounded", "q, q, lse, "),
+])
+def test_ffi_handlers_reject_bad_seq_bounds(target, extra_args):
+  # A (b, 3) array instead of (b, 4), and an int64 one: an InvalidArgument naming seq_bounds.
+  for bounds in ("jnp.zeros((2, 3), jnp.int32)", "np.zeros((2, 4), np.int64)"):
+    results = ("(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((2, 4, 8), "
+               "jnp.float32))" if "fwd" in target else
+               "(jax.ShapeDtypeStruct(q.shape, q.dtype),) * 3 + "
+               "(jax.ShapeDtypeStruct((1 << 20,), jnp.uint8),)")
+    bwd_attrs = "" if "fwd" in target else ", deterministic=np.bool_(False)"
+    message = ffi_error_message(f"""
+      jax.config.update("jax_enable_x64", True)
+      q = jnp.ones((2, 8, 4, 64), jnp.bfloat16)
+      lse = jnp.zeros((2, 4, 8), jnp.float32)
+      call = jax.ffi.ffi_call("{target}", {results})
+      result = lambda: call(q, q, q, {extra_args}{bounds}, softmax_scale=np.float32(0.125),
+                            softcap=np.float32(0), window_left=np.int32(-1),
+                            window_right=np.int32(-1){bwd_attrs})
+    """)
+    assert "seq_bounds" in message, message

@@ -2,6 +2,7 @@
 // validates buffers and attributes, carves the workspace from the scratch allocator, dispatches
 // to the compiled (head-dim bucket, dtype) instantiation.
 #include <cstdint>
+#include <utility>
 
 #include "ffi/attention_dims.h"
 #include "ffi/ffi_common.h"
@@ -175,40 +176,40 @@ extern "C" size_t jax_fa3_flash_bwd_workspace_bytes(int64_t b, int64_t h, int64_
   return jax_fa3::flash_bwd::workspace_layout(b, h, s_q, d, deterministic).total;
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashBwd, jax_fa3::flash_bwd_whole,
-                              jax_fa3::ffi_util::bind_on_stream()
-                                  .Arg<xla::ffi::AnyBuffer>()   // q
-                                  .Arg<xla::ffi::AnyBuffer>()   // k
-                                  .Arg<xla::ffi::AnyBuffer>()   // v
-                                  .Arg<xla::ffi::AnyBuffer>()   // out
-                                  .Arg<xla::ffi::AnyBuffer>()   // dout
-                                  .Arg<xla::ffi::AnyBuffer>()   // lse
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<float>("softcap")
-                                  .Attr<int32_t>("window_left")
-                                  .Attr<int32_t>("window_right")
-                                  .Attr<bool>("deterministic")
-                                  .Ret<xla::ffi::AnyBuffer>()   // dq
-                                  .Ret<xla::ffi::AnyBuffer>()   // dk
-                                  .Ret<xla::ffi::AnyBuffer>()   // dv
-                                  .Ret<xla::ffi::AnyBuffer>()); // workspace (uint8)
+namespace jax_fa3 {
+namespace {
 
-// The same with a padded batch's per-row bounds (int32 (b, 4), common/seq_bounds.h) after lse.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashBwdBounded, jax_fa3::flash_bwd_bounded,
-                              jax_fa3::ffi_util::bind_on_stream()
-                                  .Arg<xla::ffi::AnyBuffer>()   // q
-                                  .Arg<xla::ffi::AnyBuffer>()   // k
-                                  .Arg<xla::ffi::AnyBuffer>()   // v
-                                  .Arg<xla::ffi::AnyBuffer>()   // out
-                                  .Arg<xla::ffi::AnyBuffer>()   // dout
-                                  .Arg<xla::ffi::AnyBuffer>()   // lse
-                                  .Arg<xla::ffi::AnyBuffer>()   // seq_bounds
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<float>("softcap")
-                                  .Attr<int32_t>("window_left")
-                                  .Attr<int32_t>("window_right")
-                                  .Attr<bool>("deterministic")
-                                  .Ret<xla::ffi::AnyBuffer>()   // dq
-                                  .Ret<xla::ffi::AnyBuffer>()   // dk
-                                  .Ret<xla::ffi::AnyBuffer>()   // dv
-                                  .Ret<xla::ffi::AnyBuffer>()); // workspace (uint8)
+// Both backward handlers bind q, k, v, out, dout, lse (the bounded one then seq_bounds, int32
+// (b, 4): common/seq_bounds.h), then these attributes and results.
+template <class Binding>
+auto bind_bwd_attrs_and_results(Binding inputs) {
+  return std::move(inputs).template Attr<float>("softmax_scale")
+      .template Attr<float>("softcap")
+      .template Attr<int32_t>("window_left")
+      .template Attr<int32_t>("window_right")
+      .template Attr<bool>("deterministic")
+      .template Ret<ffi::AnyBuffer>()   // dq
+      .template Ret<ffi::AnyBuffer>()   // dk
+      .template Ret<ffi::AnyBuffer>()   // dv
+      .template Ret<ffi::AnyBuffer>();  // workspace (uint8)
+}
+
+auto bind_bwd_inputs() {
+  using ffi::AnyBuffer;
+  return ffi_util::bind_on_stream()
+      .Arg<AnyBuffer>()    // q
+      .Arg<AnyBuffer>()    // k
+      .Arg<AnyBuffer>()    // v
+      .Arg<AnyBuffer>()    // out
+      .Arg<AnyBuffer>()    // dout
+      .Arg<AnyBuffer>();   // lse
+}
+
+}  // namespace
+}  // namespace jax_fa3
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashBwd, jax_fa3::flash_bwd_whole,
+                              jax_fa3::bind_bwd_attrs_and_results(jax_fa3::bind_bwd_inputs()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFa3FlashBwdBounded, jax_fa3::flash_bwd_bounded,
+    jax_fa3::bind_bwd_attrs_and_results(jax_fa3::bind_bwd_inputs().Arg<xla::ffi::AnyBuffer>()));

@@ -1,6 +1,7 @@
 // XLA FFI handler for the FlashAttention-3 forward kernel (target "jax_fa3_flash_fwd").
 // Validates every argument again (Python already did) and dispatches to the compiled bucket.
 #include <cstdint>
+#include <utility>
 
 #include "ffi/attention_dims.h"
 #include "ffi/ffi_common.h"
@@ -78,32 +79,35 @@ ffi::Error flash_fwd_bounded(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
 }  // namespace
 }  // namespace jax_fa3
 
+namespace jax_fa3 {
+namespace {
+
+// Both forward handlers bind q, k, v (the bounded one then seq_bounds, int32 (b, 4):
+// common/seq_bounds.h), then these results and attributes.
+template <class Binding>
+auto bind_fwd_results_and_attrs(Binding inputs) {
+  return std::move(inputs).template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<float>("softmax_scale")
+      .template Attr<float>("softcap")
+      .template Attr<int32_t>("window_left")
+      .template Attr<int32_t>("window_right");
+}
+
+auto bind_qkv() {
+  using ffi::AnyBuffer;
+  return ffi_util::bind_on_stream().Arg<AnyBuffer>().Arg<AnyBuffer>().Arg<AnyBuffer>();
+}
+
+}  // namespace
+}  // namespace jax_fa3
+
 // Graph-capturable: no host synchronization, no allocation, no per-call host state (the TMA
 // descriptors travel inside the kernel parameters).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashFwd, jax_fa3::flash_fwd_whole,
-                              jax_fa3::ffi_util::bind_on_stream()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<float>("softcap")
-                                  .Attr<int32_t>("window_left")
-                                  .Attr<int32_t>("window_right"),
+                              jax_fa3::bind_fwd_results_and_attrs(jax_fa3::bind_qkv()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
-
-// The same with a padded batch's per-row bounds (int32 (b, 4), common/seq_bounds.h) after v.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashFwdBounded, jax_fa3::flash_fwd_bounded,
-                              jax_fa3::ffi_util::bind_on_stream()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()
-                                  .Arg<xla::ffi::AnyBuffer>()   // seq_bounds
-                                  .Ret<xla::ffi::AnyBuffer>()
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()
-                                  .Attr<float>("softmax_scale")
-                                  .Attr<float>("softcap")
-                                  .Attr<int32_t>("window_left")
-                                  .Attr<int32_t>("window_right"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFa3FlashFwdBounded, jax_fa3::flash_fwd_bounded,
+    jax_fa3::bind_fwd_results_and_attrs(jax_fa3::bind_qkv().Arg<xla::ffi::AnyBuffer>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});

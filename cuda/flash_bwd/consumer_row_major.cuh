@@ -87,12 +87,6 @@ __device__ __forceinline__ void run_consumer_row_major(KernelParams<Traits> cons
   Tensor tdKVcdKV = thr_dkv.partition_C(make_identity_tensor(Shape<_64, Int<kDKV>>{}));
 
   const int off = p.s_k - p.s_q;  // whole rows' diagonal
-  // A padded batch's row bounds where a mask test needs them (row_bounds_at_use: not held in
-  // registers across the loop); whole rows: the kernel parameters.
-  auto row_at_use = [&] {
-    return kBounded ? row_bounds_at_use(p.seq_bounds, bidb, p.s_q, p.s_k)
-                    : RowBounds{p.s_q, p.s_k, off};
-  };
   const int wl = geom.window_left;
   const int wr = geom.window_right;
   const int col_base = n_block * kBlockN + wg * kNS;
@@ -134,11 +128,13 @@ __device__ __forceinline__ void run_consumer_row_major(KernelParams<Traits> cons
         lse_r[r] = lse_s[get<0>(tScS(2 * r))];
         dd_r[r] = dpsum_s[get<0>(tScS(2 * r))];
       }
-      const bool need_mask = piece_needs_mask(row_base, kBlockM, col_base, kNS, row_at_use(), wl, wr);
+      const bool need_mask = piece_needs_mask(row_base, kBlockM, col_base, kNS,
+                                              mask_bounds<kBounded>(p, bidb, off), wl, wr);
       auto p_and_ds = [&](auto softcap, auto mask) {
         constexpr bool kSoftcap = decltype(softcap)::value;
         constexpr bool kMask = decltype(mask)::value;
-        const RowBounds masked_row = kBounded && kMask ? row_at_use() : RowBounds{};
+        const RowBounds masked_row =
+            kBounded && kMask ? mask_bounds<kBounded>(p, bidb, off) : RowBounds{};
         auto visible = [&](int i) {
           const int gi = row_base + get<0>(tScS(i));
           const int gj = col_base + get<1>(tScS(i));

@@ -75,6 +75,20 @@ __device__ __forceinline__ int* wait_dq_turn(KernelParams<Traits> const& p,
   return sem;
 }
 
+// The batch row's bounds for a mask test in a mainloop: a bounded kernel loads them where they are
+// used (row_bounds_at_use: not hoisted into registers across the loop, where the d = 64 softcap
+// kernel has none to spare: it spilled inside the loop); whole rows: the kernel parameters and
+// the caller's whole-row diagonal `off` (s_k - s_q, computed once: recomputed here, it changed
+// the schedule of the whole-row mainloops).
+template <bool kBounded, typename Traits>
+__device__ __forceinline__ RowBounds mask_bounds(KernelParams<Traits> const& p, int bidb, int off) {
+  if constexpr (kBounded) {
+    return row_bounds_at_use(p.seq_bounds, bidb, p.s_q, p.s_k);
+  } else {
+    return RowBounds{p.s_q, p.s_k, off};
+  }
+}
+
 template <typename Element>
 __device__ __forceinline__ uint32_t pack2(float x, float y) {
   const Element a(x), b(y);
