@@ -69,20 +69,19 @@ def run(seqlens, d, min_time):
       base = {}
       for kind in kinds:
         lengths = _lengths("half" if kind == "cudnn" else kind, b, s)
-        row = dict(kind=kind, batch=b, seqlen=s, d=d, heads=HEADS, causal=causal)
-        try:
+
+        def measure(row, kind=kind, lengths=lengths):
           fwd, grad = _call(kind, causal, lengths)
           row["fwd_ms"] = _bench.median_seconds(fwd, q, k, v, min_time=min_time) * 1e3
           row["fwd_bwd_ms"] = _bench.median_seconds(grad, q, k, v, min_time=min_time) * 1e3
           if kind == "plain":
-            base = row
+            base.update(row)
           elif base:
             row["fwd_vs_plain"] = row["fwd_ms"] / base["fwd_ms"]
             row["fwd_bwd_vs_plain"] = row["fwd_bwd_ms"] / base["fwd_bwd_ms"]
-        except Exception as e:  # noqa: BLE001 (one failing peer must not hide the rest)
-          row["error"] = _bench.failure(e)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+
+        _bench.record(rows, dict(kind=kind, batch=b, seqlen=s, d=d, heads=HEADS, causal=causal),
+                      measure)
   return rows
 
 

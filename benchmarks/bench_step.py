@@ -74,8 +74,9 @@ def run(head_dims, seqlens, min_time):
       do = jax.random.normal(jax.random.PRNGKey(1), q.shape, jnp.float32)
       reference_grads = None
       for name, forward in _peers(causal).items():
-        row = dict(peer=name, d=d, h=h, b=b, seqlen=s, causal=causal)
-        try:
+
+        def measure(row, name=name, forward=forward):
+          nonlocal reference_grads
           step = _step_fn(forward, do)
           compiled = step.lower(q, k, v).compile()
           row["step_mib"] = _memory_mib(compiled)
@@ -90,10 +91,8 @@ def run(head_dims, seqlens, min_time):
             t_step = _bench.median_seconds(step, q, k, v, min_time=min_time)
             t_fwd = _bench.median_seconds(jax.jit(forward), q, k, v, min_time=min_time)
             row.update(step_ms=t_step * 1e3, fwd_ms=t_fwd * 1e3, bwd_ms=(t_step - t_fwd) * 1e3)
-        except Exception as e:  # noqa: BLE001 (one failing peer must not hide the rest)
-          row["error"] = _bench.failure(e)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+
+        _bench.record(rows, dict(peer=name, d=d, h=h, b=b, seqlen=s, causal=causal), measure)
   return rows
 
 

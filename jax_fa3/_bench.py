@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import pathlib
 import platform
 import statistics
@@ -154,3 +155,14 @@ def failure(e: Exception) -> str:
   """One line naming an exception, for a benchmark row whose peer failed (the others go on)."""
   first_line = (str(e).splitlines() or [""])[0]
   return f"{type(e).__name__}: {first_line[:120]}"
+
+
+def record(rows: list, row: dict, measure: Callable) -> None:
+  """Runs measure(row), which fills in the row, or notes its failure as row["error"] (one failing
+  peer must not hide the rest); appends the row and prints it as one JSON line."""
+  try:
+    measure(row)
+  except Exception as e:  # noqa: BLE001
+    row["error"] = failure(e)
+  rows.append(row)
+  print(json.dumps(row), flush=True)
