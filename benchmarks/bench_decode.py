@@ -73,15 +73,16 @@ def run(batches, caches, min_time):
       cache_bytes = b * s * KV_HEADS * D * 2 * 2
       reference = None
       for name, (fn, appends) in _peers().items():
-        row = dict(peer=name, batch=b, cache=s, d=D, heads=HEADS, kv_heads=KV_HEADS)
-        # Fresh caches per peer (the appending peer donates and so consumes them).
-        k_cache = jax.random.normal(kk, (b, s, KV_HEADS, D), jnp.float32).astype(jnp.bfloat16)
-        v_cache = jax.random.normal(kv, (b, s, KV_HEADS, D), jnp.float32).astype(jnp.bfloat16)
-        try:
+
+        def measure(row, fn=fn, appends=appends):
+          nonlocal reference
+          # Fresh caches per peer (the appending peer donates and so consumes them).
+          k_cache = jax.random.normal(kk, (b, s, KV_HEADS, D), jnp.float32).astype(jnp.bfloat16)
+          v_cache = jax.random.normal(kv, (b, s, KV_HEADS, D), jnp.float32).astype(jnp.bfloat16)
           if appends:
             state = {"k": k_cache, "v": v_cache}
 
-            def step(state=state, fn=fn):
+            def step(state=state):
               out, state["k"], state["v"] = fn(q, state["k"], state["v"], lengths, *new)
               return out
             out = step()
@@ -95,10 +96,9 @@ def run(batches, caches, min_time):
           elif not appends:  # the appending peer attends over its own new token
             row["max_abs_diff"] = float(np.max(np.abs(out - reference)))
           row.update(us=seconds * 1e6, gb_per_s=cache_bytes / seconds / 1e9)
-        except Exception as e:  # noqa: BLE001 (one failing peer must not hide the rest)
-          row["error"] = _bench.failure(e)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+
+        _bench.record(rows, dict(peer=name, batch=b, cache=s, d=D, heads=HEADS,
+                                 kv_heads=KV_HEADS), measure)
   return rows
 
 

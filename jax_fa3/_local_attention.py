@@ -74,28 +74,49 @@ def _window_attrs(cfg: AttentionConfig) -> dict:
               window_left=np.int32(cfg.window_left), window_right=np.int32(cfg.window_right))
 
 
+def _seq_bounds(masks) -> tuple:
+  """The bounded kernels' extra operand for masks (q_lengths, kv_lengths, diagonals): int32
+  (b, 4) rows (q_len, k_len, diag, 0); () for whole rows (no masks)."""
+  if not masks:
+    return ()
+  q_lengths, kv_lengths, diagonals = masks
+  rows = (q_lengths, kv_lengths, diagonals, jnp.zeros_like(q_lengths))
+  return (jnp.stack([x.astype(jnp.int32) for x in rows], axis=1),)
+
+
+# The kernels' targets for whole rows and for a padded batch's bounds (_seq_bounds after the
+# inputs).
+_FORWARD_TARGETS = {False: "jax_fa3_flash_fwd", True: "jax_fa3_flash_fwd_bounded"}
+_BACKWARD_TARGETS = {False: "jax_fa3_flash_bwd", True: "jax_fa3_flash_bwd_bounded"}
+
+
 def _forward_kernel(cfg: AttentionConfig):
-  def call(q, k, v):
+  """(q, k, v, *masks) -> (out, lse) on the kernel: masks empty, or a padded batch's
+  (q_lengths, kv_lengths, diagonals) for the bounded variant."""
+  def call(q, k, v, *masks):
     b, s_q, h, _ = q.shape
     result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                     jax.ShapeDtypeStruct((b, h, s_q), jnp.float32))
-    return _ffi.call("jax_fa3_flash_fwd", result_types, q, k, v, **_window_attrs(cfg))
+    return _ffi.call(_FORWARD_TARGETS[bool(masks)], result_types, q, k, v, *_seq_bounds(masks),
+                     **_window_attrs(cfg))
 
   return fold_vmap_into_batch(call)
 
 
 def _backward_kernel(cfg: AttentionConfig):
-  def call(q, k, v, out, dout, lse):
+  """(q, k, v, out, lse, dout, *masks) -> (dq, dk, dv) on the kernel; masks as _forward_kernel's."""
+  def call(q, k, v, out, dout, lse, *masks):
     b, s_q, h, d = q.shape
     workspace = _ffi.flash_bwd_workspace_bytes(b, h, s_q, d, cfg.deterministic)
     result_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)) + (
         jax.ShapeDtypeStruct((workspace,), jnp.uint8),)
-    dq, dk, dv, _ = _ffi.call("jax_fa3_flash_bwd", result_types, q, k, v, out, dout, lse,
-                              deterministic=np.bool_(cfg.deterministic), **_window_attrs(cfg))
+    dq, dk, dv, _ = _ffi.call(_BACKWARD_TARGETS[bool(masks)], result_types, q, k, v, out, dout,
+                              lse, *_seq_bounds(masks), deterministic=np.bool_(cfg.deterministic),
+                              **_window_attrs(cfg))
     return dq, dk, dv
 
   batched = fold_vmap_into_batch(call)
-  return lambda q, k, v, out, lse, dout: batched(q, k, v, out, dout, lse)
+  return lambda q, k, v, out, lse, dout, *masks: batched(q, k, v, out, dout, lse, *masks)
 
 
 def forward_local(q, k, v, cfg: AttentionConfig):
@@ -142,7 +163,7 @@ def padded_kernels_would_run(q) -> bool:
   """Whether padded-batch attention at q's shape and dtype takes the kernels (no segment ids;
   nothing announced)."""
   return (padded_kernels_enabled()
-          and _kernel_unsupported_reason("jax_fa3_flash_fwd_bounded", q) is None)
+          and _kernel_unsupported_reason(_FORWARD_TARGETS[True], q) is None)
 
 
 def _use_padded_kernel(target: str, q, masks) -> bool:
@@ -159,38 +180,6 @@ def _use_padded_kernel(target: str, q, masks) -> bool:
   return _use_kernel(target, q)
 
 
-def _seq_bounds(q_lengths, kv_lengths, diagonals):
-  """The kernels' per-row bounds: int32 (b, 4) rows (q_len, k_len, diag, 0)."""
-  rows = (q_lengths, kv_lengths, diagonals, jnp.zeros_like(q_lengths))
-  return jnp.stack([x.astype(jnp.int32) for x in rows], axis=1)
-
-
-def _padded_forward_kernel(cfg: AttentionConfig):
-  def call(q, k, v, q_lengths, kv_lengths, diagonals):
-    b, s_q, h, _ = q.shape
-    result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                    jax.ShapeDtypeStruct((b, h, s_q), jnp.float32))
-    return _ffi.call("jax_fa3_flash_fwd_bounded", result_types, q, k, v,
-                     _seq_bounds(q_lengths, kv_lengths, diagonals), **_window_attrs(cfg))
-
-  return fold_vmap_into_batch(call)
-
-
-def _padded_backward_kernel(cfg: AttentionConfig):
-  def call(q, k, v, out, dout, lse, q_lengths, kv_lengths, diagonals):
-    b, s_q, h, d = q.shape
-    workspace = _ffi.flash_bwd_workspace_bytes(b, h, s_q, d, cfg.deterministic)
-    result_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)) + (
-        jax.ShapeDtypeStruct((workspace,), jnp.uint8),)
-    dq, dk, dv, _ = _ffi.call("jax_fa3_flash_bwd_bounded", result_types, q, k, v, out, dout, lse,
-                              _seq_bounds(q_lengths, kv_lengths, diagonals),
-                              deterministic=np.bool_(cfg.deterministic), **_window_attrs(cfg))
-    return dq, dk, dv
-
-  batched = fold_vmap_into_batch(call)
-  return lambda q, k, v, out, lse, dout, *masks: batched(q, k, v, out, dout, lse, *masks)
-
-
 def forward_local_masked(q, k, v, *masks_and_cfg):
   """forward_local over a padded batch: `*masks, cfg` with masks as above."""
   *masks, cfg = masks_and_cfg
@@ -198,11 +187,10 @@ def forward_local_masked(q, k, v, *masks_and_cfg):
   def ref(q, k, v, *masks):
     return reference.attention_forward(q, k, v, masks=masks, **cfg.kwargs())
 
-  if not _use_padded_kernel("jax_fa3_flash_fwd_bounded", q, masks):
+  if not _use_padded_kernel(_FORWARD_TARGETS[True], q, masks):
     return ref(q, k, v, *masks)
   _ffi.check_kernel_sizes(q.shape, k.shape)
-  return jax.lax.platform_dependent(q, k, v, *masks, cuda=_padded_forward_kernel(cfg),
-                                    default=ref)
+  return jax.lax.platform_dependent(q, k, v, *masks, cuda=_forward_kernel(cfg), default=ref)
 
 
 def backward_local_masked(q, k, v, out, lse, dout, *masks_and_cfg, dlse=None):
@@ -214,8 +202,8 @@ def backward_local_masked(q, k, v, out, lse, dout, *masks_and_cfg, dlse=None):
                                         **cfg.kwargs())
 
   # The kernels take no lse cotangent: gradients through a returned lse use the reference.
-  if dlse is not None or not _use_padded_kernel("jax_fa3_flash_bwd_bounded", q, masks):
+  if dlse is not None or not _use_padded_kernel(_BACKWARD_TARGETS[True], q, masks):
     return ref(q, k, v, out, lse, dout, *masks)
   _ffi.check_kernel_sizes(q.shape, k.shape)
   return jax.lax.platform_dependent(q, k, v, out, lse, dout, *masks,
-                                    cuda=_padded_backward_kernel(cfg), default=ref)
+                                    cuda=_backward_kernel(cfg), default=ref)
