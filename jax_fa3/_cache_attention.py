@@ -85,7 +85,7 @@ def attend(q, keys, values, lengths, cfg: AttentionConfig, return_lse: bool,
     # (one query: a right window only reaches past it), so the shared diagonal is exact.
     q = jnp.swapaxes(q.reshape(b, h_k, group, d), 1, 2)
   rows, heads = q.shape[1], q.shape[2]
-  on_kernels = _local_attention.padded_kernels_would_run(q)
+  on_kernels = _local_attention.masked_kernels_would_run(q)
   n = num_splits(requested_splits, b, rows, heads, capacity, cfg, on_kernels)
   if n > 1:
     chunk = capacity // n

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fa3 import _ffi, reference
+from jax_fa3 import _ffi, _key_ranges, reference
 from jax_fa3._batching import fold_vmap_into_batch
 from jax_fa3._config import AttentionConfig
 
@@ -74,49 +74,41 @@ def _window_attrs(cfg: AttentionConfig) -> dict:
               window_left=np.int32(cfg.window_left), window_right=np.int32(cfg.window_right))
 
 
-def _seq_bounds(masks) -> tuple:
-  """The bounded kernels' extra operand for masks (q_lengths, kv_lengths, diagonals): int32
-  (b, 4) rows (q_len, k_len, diag, 0); () for whole rows (no masks)."""
-  if not masks:
-    return ()
-  q_lengths, kv_lengths, diagonals = masks
-  rows = (q_lengths, kv_lengths, diagonals, jnp.zeros_like(q_lengths))
-  return (jnp.stack([x.astype(jnp.int32) for x in rows], axis=1),)
-
-
-# The kernels' targets for whole rows and for a padded batch's bounds (_seq_bounds after the
-# inputs).
-_FORWARD_TARGETS = {False: "jax_fa3_flash_fwd", True: "jax_fa3_flash_fwd_bounded"}
-_BACKWARD_TARGETS = {False: "jax_fa3_flash_bwd", True: "jax_fa3_flash_bwd_bounded"}
+# The kernels' targets for whole rows and for per-query key ranges (the two operands of
+# _key_ranges.kernel_operands after the inputs; the ranges replace the window).
+_FORWARD_TARGETS = {False: "jax_fa3_flash_fwd", True: "jax_fa3_flash_fwd_key_ranges"}
+_BACKWARD_TARGETS = {False: "jax_fa3_flash_bwd", True: "jax_fa3_flash_bwd_key_ranges"}
 
 
 def _forward_kernel(cfg: AttentionConfig):
-  """(q, k, v, *masks) -> (out, lse) on the kernel: masks empty, or a padded batch's
-  (q_lengths, kv_lengths, diagonals) for the bounded variant."""
-  def call(q, k, v, *masks):
+  """(q, k, v, *key_ranges) -> (out, lse) on the kernel: key_ranges empty (whole rows), or the
+  (ranges, covers) of _key_ranges.kernel_operands for the masked variant."""
+  def call(q, k, v, *key_ranges):
     b, s_q, h, _ = q.shape
     result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                     jax.ShapeDtypeStruct((b, h, s_q), jnp.float32))
-    return _ffi.call(_FORWARD_TARGETS[bool(masks)], result_types, q, k, v, *_seq_bounds(masks),
+    return _ffi.call(_FORWARD_TARGETS[bool(key_ranges)], result_types, q, k, v, *key_ranges,
                      **_window_attrs(cfg))
 
   return fold_vmap_into_batch(call)
 
 
 def _backward_kernel(cfg: AttentionConfig):
-  """(q, k, v, out, lse, dout, *masks) -> (dq, dk, dv) on the kernel; masks as _forward_kernel's."""
-  def call(q, k, v, out, dout, lse, *masks):
+  """(q, k, v, out, lse, dout, *key_ranges) -> (dq, dk, dv) on the kernel; key_ranges as
+  _forward_kernel's."""
+  def call(q, k, v, out, dout, lse, *key_ranges):
     b, s_q, h, d = q.shape
     workspace = _ffi.flash_bwd_workspace_bytes(b, h, s_q, d, cfg.deterministic)
     result_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)) + (
         jax.ShapeDtypeStruct((workspace,), jnp.uint8),)
-    dq, dk, dv, _ = _ffi.call(_BACKWARD_TARGETS[bool(masks)], result_types, q, k, v, out, dout,
-                              lse, *_seq_bounds(masks), deterministic=np.bool_(cfg.deterministic),
-                              **_window_attrs(cfg))
+    dq, dk, dv, _ = _ffi.call(_BACKWARD_TARGETS[bool(key_ranges)], result_types, q, k, v, out,
+                              dout, lse, *key_ranges,
+                              deterministic=np.bool_(cfg.deterministic), **_window_attrs(cfg))
     return dq, dk, dv
 
   batched = fold_vmap_into_batch(call)
-  return lambda q, k, v, out, lse, dout, *masks: batched(q, k, v, out, dout, lse, *masks)
+  return lambda q, k, v, out, lse, dout, *key_ranges: batched(q, k, v, out, dout, lse,
+                                                               *key_ranges)
 
 
 def forward_local(q, k, v, cfg: AttentionConfig):
@@ -146,51 +138,67 @@ def backward_local(q, k, v, out, lse, dout, cfg: AttentionConfig, dlse=None):
                                     default=ref)
 
 
-# Padded batches: per-row lengths and mask diagonals (q_lengths, kv_lengths, diagonals; see
-# `reference.attention_forward`'s masks), optionally followed by segment ids. Without segment ids
-# they can run on the kernels' bounded variants (cuda/common/seq_bounds.h), which skip the
-# padding's tiles; those variants are experimental and opt-in (JAX_FA3_PADDED_KERNELS=1). With
-# segment ids the pure-JAX path runs, on every platform.
-PADDED_KERNELS_ENV = "JAX_FA3_PADDED_KERNELS"
-_SEGMENTS_REASON = "segment ids run the pure-JAX path (the kernels do not take them)"
+# Padded and packed batches: per-row lengths and mask diagonals (q_lengths, kv_lengths,
+# diagonals; see `reference.attention_forward`'s masks), optionally followed by segment ids. They
+# run on the kernels' key-range variants (cuda/common/key_ranges.h), which skip the tiles no query
+# sees: every mask is folded into one interval of keys per query (jax_fa3._key_ranges). Segment
+# ids qualify when each query's segment is one contiguous run of keys (packed documents, padding
+# with its own id); otherwise the call takes the pure-JAX path, decided on the device (lax.cond).
+# The variants are experimental and opt-in (JAX_FA3_MASKED_KERNELS=1) until they have run on a
+# GPU.
+MASKED_KERNELS_ENV = "JAX_FA3_MASKED_KERNELS"
 
 
-def padded_kernels_enabled() -> bool:
-  return os.environ.get(PADDED_KERNELS_ENV, "0") == "1"
+def masked_kernels_enabled() -> bool:
+  return os.environ.get(MASKED_KERNELS_ENV, "0") == "1"
 
 
-def padded_kernels_would_run(q) -> bool:
-  """Whether padded-batch attention at q's shape and dtype takes the kernels (no segment ids;
-  nothing announced)."""
-  return (padded_kernels_enabled()
+def masked_kernels_would_run(q) -> bool:
+  """Whether padded or packed attention at q's shape and dtype takes the kernels (nothing
+  announced)."""
+  return (masked_kernels_enabled()
           and _kernel_unsupported_reason(_FORWARD_TARGETS[True], q) is None)
 
 
-def _use_padded_kernel(target: str, q, masks) -> bool:
-  if len(masks) > 3:
+def _use_masked_kernel(target: str, q) -> bool:
+  if not masked_kernels_enabled():
     if _ffi.kernels_available():
-      _ffi.announce_once(_SEGMENTS_REASON, f"jax_fa3: {_SEGMENTS_REASON}")
-    return False
-  if not padded_kernels_enabled():
-    if _ffi.kernels_available():
-      reason = (f"padded batches (sequence lengths) run the pure-JAX path unless "
-                f"{PADDED_KERNELS_ENV}=1 (the kernels' padded-batch variants are experimental)")
+      reason = (f"padded and packed batches (sequence lengths, segment ids) run the pure-JAX path "
+                f"unless {MASKED_KERNELS_ENV}=1 (the kernels' key-range variants are "
+                f"experimental)")
       _ffi.announce_once(reason, f"jax_fa3: {reason}")
     return False
   return _use_kernel(target, q)
 
 
+def _on_key_ranges(kernel, ref, cfg: AttentionConfig, num_arrays: int):
+  """The cuda branch over (*arrays, *masks), arrays[0] being q and arrays[1] k:
+  `kernel(*arrays, ranges, covers)` with the masks' key ranges, or, when segment ids are not
+  contiguous runs of keys, `ref(*arrays, *masks)`."""
+  def run(*arrays_and_masks):
+    arrays, masks = arrays_and_masks[:num_arrays], arrays_and_masks[num_arrays:]
+    s_q, s_k = arrays[0].shape[1], arrays[1].shape[1]
+    lo, hi, exact = _key_ranges.row_ranges(masks, s_q, s_k, cfg.window_left, cfg.window_right)
+    operands = _key_ranges.kernel_operands(lo, hi, s_k)
+    if len(masks) == 3:  # lengths and diagonals are always one interval
+      return kernel(*arrays, *operands)
+    return jax.lax.cond(exact, lambda: kernel(*arrays, *operands), lambda: ref(*arrays, *masks))
+
+  return run
+
+
 def forward_local_masked(q, k, v, *masks_and_cfg):
-  """forward_local over a padded batch: `*masks, cfg` with masks as above."""
+  """forward_local over a padded or packed batch: `*masks, cfg` with masks as above."""
   *masks, cfg = masks_and_cfg
 
   def ref(q, k, v, *masks):
     return reference.attention_forward(q, k, v, masks=masks, **cfg.kwargs())
 
-  if not _use_padded_kernel(_FORWARD_TARGETS[True], q, masks):
+  if not _use_masked_kernel(_FORWARD_TARGETS[True], q):
     return ref(q, k, v, *masks)
   _ffi.check_kernel_sizes(q.shape, k.shape)
-  return jax.lax.platform_dependent(q, k, v, *masks, cuda=_forward_kernel(cfg), default=ref)
+  cuda = _on_key_ranges(_forward_kernel(cfg), ref, cfg, 3)
+  return jax.lax.platform_dependent(q, k, v, *masks, cuda=cuda, default=ref)
 
 
 def backward_local_masked(q, k, v, out, lse, dout, *masks_and_cfg, dlse=None):
@@ -202,8 +210,8 @@ def backward_local_masked(q, k, v, out, lse, dout, *masks_and_cfg, dlse=None):
                                         **cfg.kwargs())
 
   # The kernels take no lse cotangent: gradients through a returned lse use the reference.
-  if dlse is not None or not _use_padded_kernel(_BACKWARD_TARGETS[True], q, masks):
+  if dlse is not None or not _use_masked_kernel(_BACKWARD_TARGETS[True], q):
     return ref(q, k, v, out, lse, dout, *masks)
   _ffi.check_kernel_sizes(q.shape, k.shape)
-  return jax.lax.platform_dependent(q, k, v, out, lse, dout, *masks,
-                                    cuda=_backward_kernel(cfg), default=ref)
+  cuda = _on_key_ranges(_backward_kernel(cfg), ref, cfg, 6)
+  return jax.lax.platform_dependent(q, k, v, out, lse, dout, *masks, cuda=cuda, default=ref)

@@ -155,7 +155,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
   and out-of-range page or row indices are clamped when read.
 
   Forward only (no gradient). A contiguous bf16/fp16 cache is attended in place, on the kernels'
-  padded-batch variants when JAX_FA3_PADDED_KERNELS=1 (experimental), else on the pure-JAX
+  key-range variants when JAX_FA3_MASKED_KERNELS=1 (experimental), else on the pure-JAX
   path; paged, row-indexed (cache_batch_idx) and FP8 caches are gathered first (a copy per
   call; no kernel reads pages yet). When decoding (one query per row) the query heads of a kv
   head share one query tile, and the split and merge are reshapes around the same kernels

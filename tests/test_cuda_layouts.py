@@ -11,6 +11,7 @@ import pathlib
 import shutil
 import subprocess
 
+import numpy as np
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -88,11 +89,36 @@ def test_forward_tile_scheduler_covers_every_tile_once(tmp_path):
   assert out.rstrip().endswith(": ok")
 
 
-def test_block_ranges_over_padded_rows(tmp_path):
-  """The forward's and backward's block ranges and mask shortcuts over a padded batch's per-row
-  bounds (cuda/common/seq_bounds.h): tests/cuda/check_seq_bounds.cu compares them with the
-  per-element visibility rule for lengths 0 .. past a block, diagonals across [-s_q, s_k],
-  causal / window / no masks and several block shapes; the K blocks visiting a Q block must form
-  the one run from n_first that the deterministic dQ order counts."""
-  out = _compile_and_run(tmp_path, "check_seq_bounds", with_cute=False)
+def test_whole_row_block_ranges(tmp_path):
+  """The whole-row kernels' block ranges and mask shortcuts (cuda/flash_fwd/block_info.h,
+  cuda/flash_bwd/block_range.h) over the (q_len, k_len, diag) they take: tests/cuda/
+  check_block_ranges.cu compares them with the per-element visibility rule for lengths 0 .. past
+  a block, diagonals across [-s_q, s_k], causal / window / no masks and several block shapes; the
+  K blocks visiting a Q block must form the one run from n_first that the deterministic dQ order
+  counts."""
+  out = _compile_and_run(tmp_path, "check_block_ranges", with_cute=False)
   assert out.rstrip().endswith(": ok")
+
+
+def test_key_range_block_logic_on_python_covers(tmp_path):
+  """The masked kernels' block logic (cuda/common/key_ranges.h and the two block files) on the
+  ranges and covers jax_fa3._key_ranges builds for padded rows, cache diagonals and packed
+  documents (tests/key_range_cases.py): tests/cuda/check_key_ranges.cu checks that no tile skips a
+  visible block or leaves one unmasked that holds a hidden pair, and that the backward's pairing
+  of Q and K blocks is the one run per Q block that the deterministic dQ order counts."""
+  from jax_fa3 import _key_ranges  # noqa: PLC0415
+  from key_range_cases import cases  # noqa: PLC0415
+  exe = _compile(tmp_path, REPO / "tests" / "cuda" / "check_key_ranges.cu", "check_key_ranges",
+                 with_cute=False)
+  lines = []
+  chosen = [c for c in cases() if c[6]]
+  for _, masks, s_q, s_k, wl, wr, _ in chosen:
+    lo, hi, _ = _key_ranges.row_ranges(masks, s_q, s_k, wl, wr)
+    ranges, covers = (np.asarray(x) for x in _key_ranges.kernel_operands(lo, hi, s_k))
+    lines.append(f"{s_q} {s_k} {ranges.shape[0]}")
+    lines.append(" ".join(map(str, ranges.ravel())))
+    lines.append(" ".join(map(str, covers.ravel())))
+  data = tmp_path / "cases.txt"
+  data.write_text(f"{len(chosen)}\n" + "\n".join(lines) + "\n")
+  out = _run_checked(exe, data)
+  assert out.rstrip().endswith(": ok") and out.startswith(f"{len(chosen)} cases"), out

@@ -15,7 +15,7 @@ COMPILED = ("_jax_fa3_cuda",)
 # Lowest layer first; within a layer, a module may import those listed before it.
 LAYERS = (
     ("compiled extension (built from cuda/, no Python source)", COMPILED),
-    ("foundations", ("_config", "_ffi", "_batching", "_validation", "reference")),
+    ("foundations", ("_config", "_ffi", "_batching", "_validation", "reference", "_key_ranges")),
     ("single-device kernel calls and their pure-JAX fallbacks",
      ("hadamard", "_local_attention", "_fp8_quantize", "_fp8_emulation", "_fp8_forward")),
     ("partitioning rules", ("_partitioning",)),

@@ -29,6 +29,8 @@ declare -A CHUNKS=(
   [large]="tests/test_gpu_large.py tests/test_gpu_int32_limits.py"
   # The backward kernel.
   [bwd]="tests/test_gpu_backward.py"
+  # The key-range kernels: lengths, segment ids, varlen, the KV cache.
+  [masked]="tests/test_gpu_masked.py"
   # What users compose the kernels with (transformations, sharding, ring), the Flax layers.
   [compose]="tests/test_gpu_compose.py tests/test_gpu_flax.py"
   # The fp8 kernel and its input pass.
@@ -39,7 +41,7 @@ declare -A CHUNKS=(
   # and tool checks.
   [cpu_files]="tests/test_api.py tests/test_flax.py tests/test_sharding.py tests/test_ring.py tests/test_kernel_targets.py tests/test_sass.py tests/test_fwd_timeline_tool.py tests/test_rotate_quantize_tool.py tests/test_cuda_layouts.py"
 )
-ORDER=(fwd bwd compose fp8 fp8_api large)
+ORDER=(fwd bwd masked compose fp8 fp8_api large)
 
 requested=("$@")
 [[ ${#requested[@]} -eq 0 ]] && requested=("${ORDER[@]}")

@@ -1,6 +1,7 @@
 // Helpers shared by the XLA FFI handlers: dtype mapping, error formatting and the buffer checks.
 // Handlers know nothing about Python; kernels know nothing about XLA — this file is the seam.
 #pragma once
+#include "common/key_ranges.h"
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -121,10 +122,19 @@ inline ffi::Error check_buffer(const char* op, const char* name, const ffi::AnyB
   return check_shape(op, name, what, buf.dimensions(), want);
 }
 
-// The per-batch-row bounds of a padded batch (common/seq_bounds.h): int32 (b, 4).
-inline ffi::Error check_seq_bounds(const char* op, const ffi::AnyBuffer& bounds, int64_t b) {
-  return check_buffer(op, "seq_bounds", bounds, ffi::DataType::S32,
-                      "shape (b, 4) =", {b, 4});
+// The masked kernels' per-query key ranges and their covers (common/key_ranges.h): int32
+// (b, s_pad, 2) and (b, s_pad / 64, 4), s_pad = s_q rounded up to a multiple of 128.
+inline ffi::Error check_key_ranges(const char* op, const ffi::AnyBuffer& ranges,
+                                   const ffi::AnyBuffer& covers, int64_t b, int64_t s_q) {
+  const int64_t s_pad = (s_q + kKeyRangeRowPad - 1) / kKeyRangeRowPad * kKeyRangeRowPad;
+  if (auto err = check_buffer(op, "key_ranges", ranges, ffi::DataType::S32,
+                              "shape (b, s_q rounded up to 128, 2) =", {b, s_pad, 2});
+      err.failure()) {
+    return err;
+  }
+  return check_buffer(op, "key_covers", covers, ffi::DataType::S32,
+                      "shape (b, s_q rounded up to 128 / 64, 4) =",
+                      {b, s_pad / kKeyRangeGranule, 4});
 }
 
 // Returns from the enclosing handler with the ffi::Error of `expr` when it is a failure.

@@ -65,11 +65,12 @@ cudaError_t dispatch(int bucket, DType dtype, const FlashBwdParams& p, cudaStrea
 #undef JAX_FA3_FP16_CASE
 #undef JAX_FA3_BF16_CASE
 
-// seq_bounds: the bounded variant's (b, 4) row bounds (common/seq_bounds.h), else nullptr.
+// key_ranges, key_covers: the masked variant's (common/key_ranges.h), else nullptr.
 ffi::Error flash_bwd_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q,
                           ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer out,
                           ffi::AnyBuffer dout, ffi::AnyBuffer lse,
-                          const ffi::AnyBuffer* seq_bounds, float softmax_scale, float softcap,
+                          const ffi::AnyBuffer* key_ranges, const ffi::AnyBuffer* key_covers,
+                          float softmax_scale, float softcap,
                           int32_t window_left, int32_t window_right, bool deterministic,
                           ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                           ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> workspace) {
@@ -86,8 +87,9 @@ ffi::Error flash_bwd_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q,
       check_buffer(op, "lse", lse, ffi::DataType::F32, "shape (b, h, s_q) =", {a.b, a.h, a.s_q}));
   JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_attention_scalars(op, softmax_scale, softcap,
                                                                 window_left, window_right));
-  if (seq_bounds != nullptr) {
-    JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_seq_bounds(op, *seq_bounds, a.b));
+  if (key_ranges != nullptr) {
+    JAX_FA3_RETURN_IF_FFI_ERROR(
+        ffi_util::check_key_ranges(op, *key_ranges, *key_covers, a.b, a.s_q));
   }
   // Grids: main kernel (key blocks, h_k, b), postprocess (query blocks, h, b); h_k <= h.
   if (a.b > 65535 || a.h > 65535) {
@@ -118,8 +120,10 @@ ffi::Error flash_bwd_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q,
   p.window_right = ffi_util::unbounded_past_reach(window_right, a);
   p.deterministic = deterministic;
   p.dtype = dtype;
-  p.seq_bounds =
-      seq_bounds != nullptr ? static_cast<const int*>(seq_bounds->untyped_data()) : nullptr;
+  if (key_ranges != nullptr) {
+    p.key_ranges = static_cast<const int*>(key_ranges->untyped_data());
+    p.key_covers = static_cast<const int*>(key_covers->untyped_data());
+  }
 
   if (a.b > 0 && a.h > 0 && a.s_q > 0 && a.s_k > 0) {
     const auto ws = flash_bwd::workspace_layout(a.b, a.h, a.s_q, a.d, deterministic);
@@ -152,20 +156,23 @@ ffi::Error flash_bwd_whole(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
                            int32_t window_left, int32_t window_right, bool deterministic,
                            ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                            ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> workspace) {
-  return flash_bwd_impl("flash_bwd", stream, q, k, v, out, dout, lse, nullptr, softmax_scale,
-                        softcap, window_left, window_right, deterministic, dq, dk, dv, workspace);
-}
-
-ffi::Error flash_bwd_bounded(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                             ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout,
-                             ffi::AnyBuffer lse, ffi::AnyBuffer seq_bounds, float softmax_scale,
-                             float softcap, int32_t window_left, int32_t window_right,
-                             bool deterministic, ffi::Result<ffi::AnyBuffer> dq,
-                             ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                             ffi::Result<ffi::AnyBuffer> workspace) {
-  return flash_bwd_impl("flash_bwd_bounded", stream, q, k, v, out, dout, lse, &seq_bounds,
+  return flash_bwd_impl("flash_bwd", stream, q, k, v, out, dout, lse, nullptr, nullptr,
                         softmax_scale, softcap, window_left, window_right, deterministic, dq, dk,
                         dv, workspace);
+}
+
+// The ranges replace the window: the window attributes are checked, not used.
+ffi::Error flash_bwd_key_ranges(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout,
+                                ffi::AnyBuffer lse, ffi::AnyBuffer key_ranges,
+                                ffi::AnyBuffer key_covers, float softmax_scale, float softcap,
+                                int32_t window_left, int32_t window_right, bool deterministic,
+                                ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                                ffi::Result<ffi::AnyBuffer> dv,
+                                ffi::Result<ffi::AnyBuffer> workspace) {
+  return flash_bwd_impl("flash_bwd_key_ranges", stream, q, k, v, out, dout, lse, &key_ranges,
+                        &key_covers, softmax_scale, softcap, window_left, window_right,
+                        deterministic, dq, dk, dv, workspace);
 }
 
 }  // namespace
@@ -179,8 +186,8 @@ extern "C" size_t jax_fa3_flash_bwd_workspace_bytes(int64_t b, int64_t h, int64_
 namespace jax_fa3 {
 namespace {
 
-// Both backward handlers bind q, k, v, out, dout, lse (the bounded one then seq_bounds, int32
-// (b, 4): common/seq_bounds.h), then these attributes and results.
+// Both backward handlers bind q, k, v, out, dout, lse (the masked one then key_ranges and
+// key_covers: common/key_ranges.h), then these attributes and results.
 template <class Binding>
 auto bind_bwd_attrs_and_results(Binding inputs) {
   return std::move(inputs).template Attr<float>("softmax_scale")
@@ -211,5 +218,6 @@ auto bind_bwd_inputs() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashBwd, jax_fa3::flash_bwd_whole,
                               jax_fa3::bind_bwd_attrs_and_results(jax_fa3::bind_bwd_inputs()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxFa3FlashBwdBounded, jax_fa3::flash_bwd_bounded,
-    jax_fa3::bind_bwd_attrs_and_results(jax_fa3::bind_bwd_inputs().Arg<xla::ffi::AnyBuffer>()));
+    JaxFa3FlashBwdKeyRanges, jax_fa3::flash_bwd_key_ranges,
+    jax_fa3::bind_bwd_attrs_and_results(
+        jax_fa3::bind_bwd_inputs().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>()));

@@ -14,9 +14,10 @@ namespace {
 namespace ffi = xla::ffi;
 using ffi_util::invalid;
 
-// seq_bounds: the bounded variant's (b, 4) row bounds (common/seq_bounds.h), else nullptr.
+// key_ranges, key_covers: the masked variant's (common/key_ranges.h), else nullptr.
 ffi::Error flash_fwd_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                          ffi::AnyBuffer v, const ffi::AnyBuffer* seq_bounds,
+                          ffi::AnyBuffer v, const ffi::AnyBuffer* key_ranges,
+                          const ffi::AnyBuffer* key_covers,
                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                           float softmax_scale, float softcap, int32_t window_left,
                           int32_t window_right) {
@@ -30,8 +31,9 @@ ffi::Error flash_fwd_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q,
                                                     lse->dimensions(), {a.b, a.h, a.s_q}));
   JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_attention_scalars(op, softmax_scale, softcap,
                                                                 window_left, window_right));
-  if (seq_bounds != nullptr) {
-    JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_seq_bounds(op, *seq_bounds, a.b));
+  if (key_ranges != nullptr) {
+    JAX_FA3_RETURN_IF_FFI_ERROR(
+        ffi_util::check_key_ranges(op, *key_ranges, *key_covers, a.b, a.s_q));
   }
 
   const int bucket = head_dim_bucket(static_cast<int>(a.d));
@@ -53,8 +55,10 @@ ffi::Error flash_fwd_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q,
   params.softcap = softcap;
   params.window_left = window_left;
   params.window_right = window_right;
-  params.seq_bounds =
-      seq_bounds != nullptr ? static_cast<const int*>(seq_bounds->untyped_data()) : nullptr;
+  if (key_ranges != nullptr) {
+    params.key_ranges = static_cast<const int*>(key_ranges->untyped_data());
+    params.key_covers = static_cast<const int*>(key_covers->untyped_data());
+  }
   return ffi_util::poison_and_launch(
       op, stream, [&] { return launch_flash_fwd(params, stream); }, out, lse);
 }
@@ -63,17 +67,18 @@ ffi::Error flash_fwd_whole(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
                            ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
                            ffi::Result<ffi::Buffer<ffi::F32>> lse, float softmax_scale,
                            float softcap, int32_t window_left, int32_t window_right) {
-  return flash_fwd_impl("flash_fwd", stream, q, k, v, nullptr, out, lse, softmax_scale, softcap,
-                        window_left, window_right);
+  return flash_fwd_impl("flash_fwd", stream, q, k, v, nullptr, nullptr, out, lse, softmax_scale,
+                        softcap, window_left, window_right);
 }
 
-ffi::Error flash_fwd_bounded(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                             ffi::AnyBuffer v, ffi::AnyBuffer seq_bounds,
-                             ffi::Result<ffi::AnyBuffer> out,
-                             ffi::Result<ffi::Buffer<ffi::F32>> lse, float softmax_scale,
-                             float softcap, int32_t window_left, int32_t window_right) {
-  return flash_fwd_impl("flash_fwd_bounded", stream, q, k, v, &seq_bounds, out, lse,
-                        softmax_scale, softcap, window_left, window_right);
+// The ranges replace the window: the window attributes are checked, not used.
+ffi::Error flash_fwd_key_ranges(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                ffi::AnyBuffer v, ffi::AnyBuffer key_ranges,
+                                ffi::AnyBuffer key_covers, ffi::Result<ffi::AnyBuffer> out,
+                                ffi::Result<ffi::Buffer<ffi::F32>> lse, float softmax_scale,
+                                float softcap, int32_t window_left, int32_t window_right) {
+  return flash_fwd_impl("flash_fwd_key_ranges", stream, q, k, v, &key_ranges, &key_covers, out,
+                        lse, softmax_scale, softcap, window_left, window_right);
 }
 
 }  // namespace
@@ -82,8 +87,8 @@ ffi::Error flash_fwd_bounded(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuff
 namespace jax_fa3 {
 namespace {
 
-// Both forward handlers bind q, k, v (the bounded one then seq_bounds, int32 (b, 4):
-// common/seq_bounds.h), then these results and attributes.
+// Both forward handlers bind q, k, v (the masked one then key_ranges and key_covers:
+// common/key_ranges.h), then these results and attributes.
 template <class Binding>
 auto bind_fwd_results_and_attrs(Binding inputs) {
   return std::move(inputs).template Ret<ffi::AnyBuffer>()
@@ -108,6 +113,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashFwd, jax_fa3::flash_fwd_whole,
                               jax_fa3::bind_fwd_results_and_attrs(jax_fa3::bind_qkv()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxFa3FlashFwdBounded, jax_fa3::flash_fwd_bounded,
-    jax_fa3::bind_fwd_results_and_attrs(jax_fa3::bind_qkv().Arg<xla::ffi::AnyBuffer>()),
+    JaxFa3FlashFwdKeyRanges, jax_fa3::flash_fwd_key_ranges,
+    jax_fa3::bind_fwd_results_and_attrs(
+        jax_fa3::bind_qkv().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>()),
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -10,8 +10,8 @@ extern "C" const jax_fa3::FfiTarget* jax_fa3_ffi_targets(int* count) {
       {"jax_fa3_hadamard", reinterpret_cast<void*>(JaxFa3Hadamard)},
       {"jax_fa3_flash_fwd", reinterpret_cast<void*>(JaxFa3FlashFwd)},
       {"jax_fa3_flash_bwd", reinterpret_cast<void*>(JaxFa3FlashBwd)},
-      {"jax_fa3_flash_fwd_bounded", reinterpret_cast<void*>(JaxFa3FlashFwdBounded)},
-      {"jax_fa3_flash_bwd_bounded", reinterpret_cast<void*>(JaxFa3FlashBwdBounded)},
+      {"jax_fa3_flash_fwd_key_ranges", reinterpret_cast<void*>(JaxFa3FlashFwdKeyRanges)},
+      {"jax_fa3_flash_bwd_key_ranges", reinterpret_cast<void*>(JaxFa3FlashBwdKeyRanges)},
       {"jax_fa3_flash_fwd_fp8", reinterpret_cast<void*>(JaxFa3FlashFwdFp8)},
       {"jax_fa3_rotate_quantize_fp8", reinterpret_cast<void*>(JaxFa3RotateQuantizeFp8)},
   };

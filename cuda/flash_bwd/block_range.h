@@ -1,15 +1,21 @@
 // Which (Q block, K block) pairs have at least one visible (query, key) pair. Shared by the main
 // kernel (loop bounds) and the deterministic dQ ordering, so both use the same predicate.
 //
-// Visibility in one batch row (common/seq_bounds.h; whole rows: q_len = s_q, k_len = s_k,
-// diag = s_k - s_q): query i < q_len sees key j < k_len iff  i + diag - wl <= j <= i + diag + wr,
-// a bound of -1 being unbounded. Block rows [i0, i1], columns [j0, j1] (clipped to the lengths)
-// hold a visible pair iff
+// Whole rows (common/row_bounds.h; q_len = s_q, k_len = s_k, diag = s_k - s_q): query i sees
+// key j iff  i + diag - wl <= j <= i + diag + wr, a bound of -1 being unbounded. Block rows
+// [i0, i1], columns [j0, j1] hold a visible pair iff
 //   (wr < 0 || i1 + diag + wr >= j0)  and  (wl < 0 || i0 + diag - wl <= j1).
-// For fixed n the visible m form one interval, and for fixed m the visible n form one interval.
+// Key ranges (common/key_ranges.h): Q block M (granules [M*gpb, M*gpb + gpb), gpb = block_m / 64)
+// and K block n (keys [n0, n1), n1 cut to s_k) are paired iff  reach_lo(first granule) < n1  and
+// reach_hi(last granule) > n0; both reaches are non-decreasing over granules, so this needs only
+// two counts per K block (key_range_m_range). Cut to s_k, n1 leaves out the granules of rows that
+// see nothing (reach_lo = s_k): their Q blocks (padding, possibly NaN) never meet the last K block.
+// Either way, for fixed n the paired m form one interval, and for fixed m the paired n form one
+// interval starting at n_first: the deterministic dQ order counts from there.
 #pragma once
 
-#include "common/seq_bounds.h"
+#include "common/key_ranges.h"
+#include "common/row_bounds.h"
 
 #if defined(__CUDACC__)
 #define JAX_FA3_HD __host__ __device__ __forceinline__
@@ -21,14 +27,7 @@ namespace jax_fa3::flash_bwd {
 
 struct BlockGeometry {
   int block_m, block_n, window_left, window_right;
-  // One batch row's bounds: the launch sets whole rows, the kernel its own row's (for_row).
-  RowBounds row;
-
-  JAX_FA3_HD BlockGeometry for_row(const RowBounds& bounds) const {
-    BlockGeometry g = *this;
-    g.row = bounds;
-    return g;
-  }
+  RowBounds row;  // whole rows
 
   // Q blocks [m_begin, m_end) that K block n must visit (possibly empty). Q blocks past q_len
   // and K blocks past k_len hold padding only and visit nothing.
@@ -75,12 +74,26 @@ JAX_FA3_HD bool piece_needs_mask(int row0, int rows, int col0, int cols, const R
   return false;
 }
 
-// Whether query i sees key j in this row (the per-element form of the rule above; branch-free:
-// & rather than &&, whose short circuits compile to branches per element).
-JAX_FA3_HD bool visible(int i, int j, const RowBounds& row, int window_left, int window_right) {
-  return bool((i < row.q_len) & (j < row.k_len) &
-              ((window_left < 0) | (j >= i + row.diag - window_left)) &
-              ((window_right < 0) | (j <= i + row.diag + window_right)));
+// Key ranges: Q blocks [m_begin, m_end) paired with K block n, from `below`, the number of
+// granules whose reach_hi <= n0, and `reaching`, the number whose reach_lo < n1 (a prefix each:
+// the reaches are monotone), over num_m Q blocks of gpb granules.
+JAX_FA3_HD void key_range_m_range(int below, int reaching, int gpb, int num_m, int& m_begin,
+                                  int& m_end) {
+  m_begin = below / gpb;
+  m_end = (reaching + gpb - 1) / gpb;
+  if (m_end > num_m) m_end = num_m;
+  if (m_end < m_begin) m_end = m_begin;
+}
+
+// Key ranges: the first K block paired with Q block m (meaningful only if some K block is).
+JAX_FA3_HD int key_range_n_first(const int* covers, int batch, int num_granules, int m, int gpb,
+                                 int block_n, int s_k) {
+  const int* c = covers + 4 * (static_cast<long long>(batch) * num_granules + m * gpb);
+#if defined(__CUDA_ARCH__)
+  return clamp_key(__ldg(c), s_k) / block_n;
+#else
+  return clamp_key(c[0], s_k) / block_n;
+#endif
 }
 
 }  // namespace jax_fa3::flash_bwd

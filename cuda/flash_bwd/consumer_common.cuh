@@ -12,7 +12,7 @@ namespace jax_fa3::flash_bwd {
 // m, in fragment order (Traits::kDqWgFloats): this thread's pairs are kDqPairStride apart. `stage`
 // is the Q/dO stage of the block (the CTA's it-th: it % kStages); the sdq buffer is
 // it % kDqStages, the same number when there are two, taken from it to hold no extra register.
-template <typename Traits, typename Frag>
+template <typename Traits, bool kKeyRanges, typename Frag>
 __device__ __forceinline__ void store_dq_partial(KernelParams<Traits> const& p,
                                                  typename Traits::SharedStorage& ss,
                                                  Frag const& tdQrdQ, int wg, int tid, int ctid,
@@ -40,7 +40,7 @@ __device__ __forceinline__ void store_dq_partial(KernelParams<Traits> const& p,
     // s_q, K is zero-filled past d), so the whole chunk is added without masks.
     int* sem = nullptr;
     if (p.deterministic) {  // K blocks add in increasing order
-      if (ctid == 0) sem = wait_dq_turn(p, geom, bidb, qh, m, n_block);
+      if (ctid == 0) sem = wait_dq_turn<kKeyRanges>(p, geom, bidb, qh, m, n_block);
       named_barrier_sync(NamedBarrier::kDeterministic, kMma);
     }
     float2* gdq = reinterpret_cast<float2*>(

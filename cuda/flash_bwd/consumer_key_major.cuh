@@ -19,7 +19,7 @@ namespace jax_fa3::flash_bwd {
 // kSoftcap is a template parameter (one kernel each), not a branch inside the loop: the softcap
 // loop accumulates dP^T onto -D (below), and a run-time choice of the dP^T wgmma's initial state
 // made ptxas serialize every wgmma of the kernel (C7512).
-template <typename Traits, bool kSoftcap, bool kBounded>
+template <typename Traits, bool kSoftcap, bool kKeyRanges>
 __device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> const& p,
                                                        typename Traits::SharedStorage& ss,
                                                        int n_block, int hk, int bidb, int group,
@@ -122,17 +122,25 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> cons
       wg_gemm<true>(mma_sdp, tSrK, thr_sdp.partition_fragment_B(sQ), tSrS);
       wg_gemm<!kSoftcap>(mma_sdp, tSrV, thr_sdp.partition_fragment_B(sdO), tSrdP);
       const int row_base = m * kBlockM;
-      const bool need_mask =
-          piece_needs_mask(row_base, kBlockM, key_base, 64, mask_bounds<kBounded>(p, bidb, off), wl,
-                           wr);
+      bool need_mask;
+      if constexpr (kKeyRanges) {
+        need_mask = keys_need_mask(q_block_keys(p, bidb, m), key_base, 64);
+      } else {
+        need_mask = piece_needs_mask(row_base, kBlockM, key_base, 64, RowBounds{p.s_q, p.s_k, off},
+                                     wl, wr);
+      }
+      // Key ranges: the query rows' (lo, hi), per column pair like LSE and D.
+      [[maybe_unused]] const uint32_t ranges_s =
+          cute::cast_smem_ptr_to_uint(ss.key_ranges[stage]);
       auto p_and_ds = [&](auto mask) {
         constexpr bool kMask = decltype(mask)::value;
-        const RowBounds masked_row =
-            kBounded && kMask ? mask_bounds<kBounded>(p, bidb, off) : RowBounds{};
         auto visible = [&](int i) {
           const int gi = row_base + get<1>(tScS(i));
           const int gj = key_base + get<0>(tScS(i));
-          if constexpr (kBounded) return flash_bwd::visible(gi, gj, masked_row, wl, wr);
+          if constexpr (kKeyRanges) {
+            const int2 keys = ld_shared_pair_at_use(ranges_s + 8 * get<1>(tScS(i)));
+            return bool((gj >= keys.x) & (gj < keys.y));
+          }
           // Whole rows: block_range.h's rule written out over the kernel parameters, the form
           // this loop was tuned with (through a RowBounds ptxas schedules the masked path
           // differently). Branch-free: & rather than &&.
@@ -197,7 +205,7 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> cons
       warpgroup_fence_operand(tdQrdQ);
       warpgroup_fence_operand(tdVrdV);
 
-      store_dq_partial<Traits>(p, ss, tdQrdQ, wg, tid, ctid, geom, bidb, qh, m, n_block,
+      store_dq_partial<Traits, kKeyRanges>(p, ss, tdQrdQ, wg, tid, ctid, geom, bidb, qh, m, n_block,
                                stage);
 
       warpgroup_wait<0>();

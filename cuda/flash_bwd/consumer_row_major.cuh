@@ -13,7 +13,7 @@
 
 namespace jax_fa3::flash_bwd {
 
-template <typename Traits, bool kBounded>
+template <typename Traits, bool kKeyRanges>
 __device__ __forceinline__ void run_consumer_row_major(KernelParams<Traits> const& p,
                                                        typename Traits::SharedStorage& ss,
                                                        int n_block, int hk, int bidb, int group,
@@ -128,17 +128,26 @@ __device__ __forceinline__ void run_consumer_row_major(KernelParams<Traits> cons
         lse_r[r] = lse_s[get<0>(tScS(2 * r))];
         dd_r[r] = dpsum_s[get<0>(tScS(2 * r))];
       }
-      const bool need_mask = piece_needs_mask(row_base, kBlockM, col_base, kNS,
-                                              mask_bounds<kBounded>(p, bidb, off), wl, wr);
+      bool need_mask;
+      if constexpr (kKeyRanges) {
+        need_mask = keys_need_mask(q_block_keys(p, bidb, m), col_base, kNS);
+      } else {
+        need_mask = piece_needs_mask(row_base, kBlockM, col_base, kNS,
+                                     RowBounds{p.s_q, p.s_k, off}, wl, wr);
+      }
+      // Key ranges: the rows' (lo, hi), read per element where a mask needs them.
+      [[maybe_unused]] const uint32_t ranges_s =
+          cute::cast_smem_ptr_to_uint(ss.key_ranges[stage]);
       auto p_and_ds = [&](auto softcap, auto mask) {
         constexpr bool kSoftcap = decltype(softcap)::value;
         constexpr bool kMask = decltype(mask)::value;
-        const RowBounds masked_row =
-            kBounded && kMask ? mask_bounds<kBounded>(p, bidb, off) : RowBounds{};
         auto visible = [&](int i) {
           const int gi = row_base + get<0>(tScS(i));
           const int gj = col_base + get<1>(tScS(i));
-          if constexpr (kBounded) return flash_bwd::visible(gi, gj, masked_row, wl, wr);
+          if constexpr (kKeyRanges) {
+            const int2 keys = ld_shared_pair_at_use(ranges_s + 8 * get<0>(tScS(i)));
+            return bool((gj >= keys.x) & (gj < keys.y));
+          }
           // Whole rows: block_range.h's rule written out over the kernel parameters, the form
           // this loop was tuned with (through a RowBounds ptxas schedules the masked path
           // differently). Branch-free: & rather than &&.
@@ -210,7 +219,7 @@ __device__ __forceinline__ void run_consumer_row_major(KernelParams<Traits> cons
       warpgroup_wait<2>();  // the dQ group is done; the dV and dK groups may still run
       warpgroup_fence_operand(tdQrdQ);
 
-      store_dq_partial<Traits>(p, ss, tdQrdQ, wg, tid, ctid, geom, bidb, qh, m, n_block,
+      store_dq_partial<Traits, kKeyRanges>(p, ss, tdQrdQ, wg, tid, ctid, geom, bidb, qh, m, n_block,
                                stage);
 
       warpgroup_wait<0>();

@@ -27,7 +27,7 @@ namespace jax_fa3::flash_bwd {
 // buffer's first kDqEmpty is given up front and a buffer is handed back only for a later use,
 // so arrivals and waits match one for one. Deterministic mode: lane 0 first waits for its turn
 // on the block's semaphore and releases the next K block only once its adds are complete.
-template <typename Traits>
+template <typename Traits, bool kKeyRanges>
 __device__ __forceinline__ void dq_writer(KernelParams<Traits> const& p, const float* sdq, int group,
                                           const BlockGeometry& geom, int m_begin, int m_end,
                                           int hk, int bidb, int n_block) {
@@ -49,7 +49,8 @@ __device__ __forceinline__ void dq_writer(KernelParams<Traits> const& p, const f
       const int buf = kDqStages == 1 ? 0 : it & 1;
       named_barrier_sync(dq_barrier(NamedBarrier::kDqFull, buf), kThreads);
       if (leader) {
-        int* sem = p.deterministic ? wait_dq_turn(p, geom, bidb, qh, m, n_block) : nullptr;
+        int* sem =
+            p.deterministic ? wait_dq_turn<kKeyRanges>(p, geom, bidb, qh, m, n_block) : nullptr;
         bulk_reduce_add_s2g(dq_chunk(p, bidb, qh, m), sdq + buf * Traits::kDqChunkFloats, kBytes);
         bulk_commit();
         if (p.deterministic) {
@@ -79,10 +80,11 @@ __device__ __forceinline__ void dq_writer(KernelParams<Traits> const& p, const f
 // kSoftcap: the key-major mainloop is compiled once with softcap and once without (one kernel
 // each: both loops in one kernel spilled and serialized wgmmas); the row-major one tests
 // p.has_softcap itself and is instantiated with kSoftcap = false only.
-// kBounded: a padded batch (p.seq_bounds, common/seq_bounds.h), whose CTAs narrow the geometry to
-// their batch row; a separate instantiation, so that the whole-row kernel keeps its lengths in the
+// kKeyRanges: per-query key ranges (common/key_ranges.h) in place of the window: the Q blocks
+// come from the covers, the masks from the ranges, which the producer copies per Q block next to
+// LSE and D. A separate instantiation, so that the whole-row kernel keeps its geometry in the
 // constant bank (a per-row geometry in registers changed ptxas's schedule of the main loop).
-template <typename Traits, bool kSoftcap, bool kBounded>
+template <typename Traits, bool kSoftcap, bool kKeyRanges>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     flash_bwd_kernel(CUTE_GRID_CONSTANT KernelParams<Traits> const p) {
   using namespace cute;
@@ -104,10 +106,13 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   const int hk = blockIdx.y;
   const int bidb = blockIdx.z;
   const int group = p.h / p.h_k;
-  const BlockGeometry geom =
-      kBounded ? p.geom.for_row(row_bounds(p.seq_bounds, bidb, p.s_q, p.s_k)) : p.geom;
+  const BlockGeometry geom = p.geom;
   int m_begin, m_end;
-  geom.m_range(n_block, m_begin, m_end);
+  if constexpr (kKeyRanges) {
+    key_range_q_blocks(p, bidb, n_block, m_begin, m_end);  // every warp, converged
+  } else {
+    geom.m_range(n_block, m_begin, m_end);
+  }
   const int n_iters = (m_end - m_begin) * group;
   const int warp_group = threadIdx.x / 128;
 
@@ -128,7 +133,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     if (n_iters == 0) return;
     if constexpr (Traits::kDqViaSmem) {
       if (threadIdx.x / 32 == 1) {
-        dq_writer<Traits>(p, ss.dq, group, geom, m_begin, m_end, hk, bidb, n_block);
+        dq_writer<Traits, kKeyRanges>(p, ss.dq, group, geom, m_begin, m_end, hk, bidb, n_block);
         return;
       }
     }
@@ -180,14 +185,20 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
                                           group_modes<0, 2>(gQ));
         auto [tdOgdO, tdOsdO] = tma_partition(p.tma_do, Int<0>{}, Layout<_1>{},
                                               group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
-        TxBarrier::arrive_and_expect_tx(&ss.bar_full[stage],
-                                        2 * Traits::kBytesQ + 2 * Traits::kBytesRow);
+        TxBarrier::arrive_and_expect_tx(
+            &ss.bar_full[stage], 2 * Traits::kBytesQ + 2 * Traits::kBytesRow +
+                                     (kKeyRanges ? Traits::kBytesKeyRanges : 0));
         copy(p.tma_q.with(ss.bar_full[stage]), tQgQ(_, m), tQsQ);
         copy(p.tma_do.with(ss.bar_full[stage]), tdOgdO(_, m), tdOsdO);
         bulk_copy_g2s(ss.lse_log2[stage], p.lse_log2 + row_base + m * kBlockM, Traits::kBytesRow,
                       &ss.bar_full[stage]);
         bulk_copy_g2s(ss.dpsum[stage], p.dpsum + row_base + m * kBlockM, Traits::kBytesRow,
                       &ss.bar_full[stage]);
+        if constexpr (kKeyRanges) {  // the array has whole 128-row tiles: no bounds test
+          const int64_t ranges_row = int64_t(bidb) * key_range_rows(p.s_q) + m * kBlockM;
+          bulk_copy_g2s(ss.key_ranges[stage], p.key_ranges + 2 * ranges_row,
+                        Traits::kBytesKeyRanges, &ss.bar_full[stage]);
+        }
       }
     }
     return;
@@ -196,10 +207,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   // ------------------------------------------------------------------ consumers
   cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
   if constexpr (Traits::kKeyMajor) {
-    run_consumer_key_major<Traits, kSoftcap, kBounded>(p, ss, n_block, hk, bidb, group, geom, m_begin,
-                                             m_end);
+    run_consumer_key_major<Traits, kSoftcap, kKeyRanges>(p, ss, n_block, hk, bidb, group, geom,
+                                                         m_begin, m_end);
   } else {
-    run_consumer_row_major<Traits, kBounded>(p, ss, n_block, hk, bidb, group, geom, m_begin, m_end);
+    run_consumer_row_major<Traits, kKeyRanges>(p, ss, n_block, hk, bidb, group, geom, m_begin,
+                                               m_end);
   }
 }
 

@@ -31,8 +31,11 @@ struct KernelParams {
   float tanh_in_scale;    // softmax_scale / softcap
   bool has_softcap;
   bool deterministic;
-  BlockGeometry geom;     // whole rows; a bounded kernel narrows it to its batch row
-  const int* seq_bounds;  // (b, 4) int32 per-row bounds (common/seq_bounds.h) or nullptr
+  BlockGeometry geom;     // whole rows (unused by the key-range kernels but for block sizes)
+  // Key-range kernels (common/key_ranges.h): (b, s_pad, 2) and (b, num_granules, 4) int32.
+  const int* key_ranges;
+  const int* key_covers;
+  int num_granules;       // s_pad / 64
 };
 
 // Issue one warpgroup GEMM (all k-blocks) and commit it as one wgmma group; the caller waits.
@@ -64,29 +67,47 @@ __device__ __forceinline__ float* dq_chunk(KernelParams<Traits> const& p, int bi
 
 // Deterministic mode: dQ of a Q block is added in increasing K-block order. The block's semaphore
 // counts the K blocks that have added so far; returns it once it is this K block's turn.
-template <typename Traits>
+template <bool kKeyRanges, typename Traits>
 __device__ __forceinline__ int* wait_dq_turn(KernelParams<Traits> const& p,
                                              const BlockGeometry& geom, int bidb, int qh, int m,
                                              int n_block) {
   int* sem = p.semaphores + q_block_index(bidb, p.h, qh, p.num_m_blocks, m);
-  const int target = n_block - geom.n_first(m);
+  const int n_first =
+      kKeyRanges ? key_range_n_first(p.key_covers, bidb, p.num_granules, m,
+                                     Traits::kBlockM / kKeyRangeGranule, Traits::kBlockN, p.s_k)
+                 : geom.n_first(m);
+  const int target = n_block - n_first;
   while (ld_acquire_gpu(sem) != target) {
   }
   return sem;
 }
 
-// The batch row's bounds for a mask test in a mainloop: a bounded kernel loads them where they are
-// used (row_bounds_at_use: not hoisted into registers across the loop, where the d = 64 softcap
-// kernel has none to spare: it spilled inside the loop); whole rows: the kernel parameters and
-// the caller's whole-row diagonal `off` (s_k - s_q, computed once: recomputed here, it changed
-// the schedule of the whole-row mainloops).
-template <bool kBounded, typename Traits>
-__device__ __forceinline__ RowBounds mask_bounds(KernelParams<Traits> const& p, int bidb, int off) {
-  if constexpr (kBounded) {
-    return row_bounds_at_use(p.seq_bounds, bidb, p.s_q, p.s_k);
-  } else {
-    return RowBounds{p.s_q, p.s_k, off};
+// Key ranges: the Q blocks [m_begin, m_end) that K block n_block visits (block_range.h). Every
+// thread of a full warp calls it: the warp counts the granules' reaches 32 at a time.
+template <typename Traits>
+__device__ __forceinline__ void key_range_q_blocks(KernelParams<Traits> const& p, int bidb,
+                                                   int n_block, int& m_begin, int& m_end) {
+  const int n0 = n_block * Traits::kBlockN;
+  const int n1 = min(n0 + Traits::kBlockN, p.s_k);  // see block_range.h
+  const int2* covers = reinterpret_cast<const int2*>(p.key_covers) +
+                       2 * (int64_t(bidb) * p.num_granules);  // (reach_lo, reach_hi) of each
+  int below = 0, reaching = 0;
+  for (int g = threadIdx.x % 32; g < p.num_granules; g += 32) {
+    const int2 reach = __ldg(covers + 2 * g);
+    below += clamp_key(reach.y, p.s_k) <= n0;
+    reaching += clamp_key(reach.x, p.s_k) < n1;
   }
+  below = __reduce_add_sync(0xffffffffu, below);
+  reaching = __reduce_add_sync(0xffffffffu, reaching);
+  key_range_m_range(below, reaching, Traits::kBlockM / kKeyRangeGranule, p.num_m_blocks, m_begin,
+                    m_end);
+}
+
+// Key ranges: the keys that every row of Q block m sees, for the per-piece mask test.
+template <typename Traits>
+__device__ __forceinline__ TileKeys q_block_keys(KernelParams<Traits> const& p, int bidb, int m) {
+  constexpr int kGranules = Traits::kBlockM / kKeyRangeGranule;
+  return tile_keys(p.key_covers, bidb, p.num_granules, m * kGranules, kGranules, p.s_k);
 }
 
 template <typename Element>

@@ -103,16 +103,18 @@ cudaError_t run_flash_bwd(const FlashBwdParams& p, cudaStream_t stream) {
   kp.tanh_in_scale = kp.has_softcap ? p.softmax_scale / p.softcap : 0.f;
   kp.deterministic = p.deterministic;
   kp.geom = BlockGeometry{Traits::kBlockM, Traits::kBlockN, p.window_left, p.window_right,
-                          row_bounds(nullptr, 0, p.s_q, p.s_k)};
-  kp.seq_bounds = p.seq_bounds;
+                          whole_rows(p.s_q, p.s_k)};
+  kp.key_ranges = p.key_ranges;
+  kp.key_covers = p.key_covers;
+  kp.num_granules = key_range_rows(p.s_q) / kKeyRangeGranule;
 
-  const bool bounded = p.seq_bounds != nullptr;
-  auto kernel = bounded ? flash_bwd_kernel<Traits, false, true>
-                        : flash_bwd_kernel<Traits, false, false>;
+  const bool key_ranges = p.key_ranges != nullptr;
+  auto kernel = key_ranges ? flash_bwd_kernel<Traits, false, true>
+                           : flash_bwd_kernel<Traits, false, false>;
   if constexpr (Traits::kKeyMajor) {
     if (kp.has_softcap) {
-      kernel = bounded ? flash_bwd_kernel<Traits, true, true>
-                       : flash_bwd_kernel<Traits, true, false>;
+      kernel = key_ranges ? flash_bwd_kernel<Traits, true, true>
+                          : flash_bwd_kernel<Traits, true, false>;
     }
   }
   constexpr int smem = Traits::kSmemBytes;

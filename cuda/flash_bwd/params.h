@@ -40,9 +40,10 @@ struct FlashBwdParams {
   int window_right;     // -1 = unbounded (causal: 0)
   bool deterministic;
   DType dtype;
-  // Per-batch-row query/key lengths and mask diagonal, int32 (b, 4) (common/seq_bounds.h), or
-  // nullptr: every row whole.
-  const int* seq_bounds = nullptr;
+  // Per-query key ranges and their 64-row covers (common/key_ranges.h), or nullptr: whole rows
+  // under the window above. The ranges replace the window.
+  const int* key_ranges = nullptr;
+  const int* key_covers = nullptr;
 };
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }

@@ -45,6 +45,15 @@ __device__ __forceinline__ void bulk_copy_g2s(void* smem_dst, const void* gmem_s
       : "memory");
 }
 
+// A shared-memory (lo, hi) pair read where it is used: the volatile load is not hoisted, so a
+// masked loop holds one pair at a time instead of all its columns' pairs (the key-range mask of
+// the d = 64 softcap backward spilled with plain loads).
+__device__ __forceinline__ int2 ld_shared_pair_at_use(uint32_t smem_addr) {
+  int2 v;
+  asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(smem_addr));
+  return v;
+}
+
 __device__ __forceinline__ void st_shared_b32(uint32_t smem_addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_addr), "r"(v) : "memory");
 }

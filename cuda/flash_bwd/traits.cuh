@@ -194,6 +194,7 @@ struct BwdTraits {
   static constexpr uint32_t kBytesQ = kSizeQ * sizeof(Element);  // TMA always moves the full box
   static constexpr uint32_t kBytesKV = kSizeKV * sizeof(Element);
   static constexpr uint32_t kBytesRow = kBlockM * sizeof(float);  // LSE or D of one Q block
+  static constexpr uint32_t kBytesKeyRanges = 2 * kBlockM * sizeof(int);  // (lo, hi) per row
 
   struct SharedStorage {
     alignas(1024) Element k[kSizeKV];
@@ -208,6 +209,9 @@ struct BwdTraits {
     alignas(8) uint64_t bar_kv;              // K and V landed (tx barrier, 1 arrival)
     uint64_t bar_full[kStages];              // Q, dO, LSE, D of a stage landed (tx, 1 arrival)
     uint64_t bar_empty[kStages];             // consumers done with a stage (256 arrivals)
+    // Key-range kernels: the stage's Q block's (lo, hi) per row (common/key_ranges.h); last, so
+    // that the other members keep their offsets in every kernel.
+    alignas(16) int key_ranges[kStages][2 * kBlockM];
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + base alignment slack
   static_assert(kDqStages == 1 || kDqStages == 2);

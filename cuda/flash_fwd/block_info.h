@@ -1,14 +1,15 @@
 // Which K/V blocks a query tile visits, and which of them need per-element masking.
 //
-// Visibility in batch row b (common/seq_bounds.h; without bounds q_len = s_q, k_len = s_k and
-// diag = s_k - s_q, bottom-right alignment): row i < q_len sees column j < k_len iff
+// Whole rows (common/row_bounds.h): row i < q_len sees column j < k_len iff
 //   i + diag - left <= j <= i + diag + right,  a bound of -1 being unbounded.
+// Key ranges (common/key_ranges.h): row i sees [lo_i, hi_i), and a tile visits its TileKeys.
 // Blocks outside [n_min, n_max) are fully masked for every row of the tile and are skipped
-// entirely (neither loaded nor computed); a tile of padded rows only (first row >= q_len) visits
-// none. Producer and consumers call the same function (host too: tests/cuda/check_seq_bounds.cu).
+// entirely (neither loaded nor computed). Producer and consumers call the same functions (host
+// too: tests/cuda/check_key_ranges.cu).
 #pragma once
 
-#include "common/seq_bounds.h"
+#include "common/key_ranges.h"
+#include "common/row_bounds.h"
 
 namespace jax_fa3::fwd {
 
@@ -19,7 +20,7 @@ struct BlockRange {
 // kPaddedRows false: the caller knows that the tile's first row is real (whole rows: every
 // m_block < ceil(s_q / block_m)), and the test is left out.
 template <bool kPaddedRows = true>
-JAX_FA3_SEQ_HD BlockRange block_range(int m_block, int block_m, int block_n, const RowBounds& rb,
+JAX_FA3_KR_HD BlockRange block_range(int m_block, int block_m, int block_n, const RowBounds& rb,
                                       int left, int right) {
   const int row_first = m_block * block_m;
   if (kPaddedRows && row_first >= rb.q_len) return {0, 0};
@@ -37,12 +38,17 @@ JAX_FA3_SEQ_HD BlockRange block_range(int m_block, int block_m, int block_n, con
   return {n_min, n_max};
 }
 
+// The K/V blocks holding a tile's keys [keys.lo, keys.hi) (none when the range is empty).
+JAX_FA3_KR_HD BlockRange key_blocks(const TileKeys& keys, int block_n) {
+  if (keys.lo >= keys.hi) return {0, 0};
+  return {keys.lo / block_n, (keys.hi + block_n - 1) / block_n};
+}
+
 // True when some element of block (m_block, n_block) is invisible to a real row: the k_len tail,
-// or a window edge crossing the block (k_len, diag: the row's RowBounds). Uniform across the
-// tile; blocks strictly inside need no mask. Rows past q_len are not masked here: the epilogue
-// clears them. Plain ints rather than a RowBounds: with the struct, the whole-row kernel's
+// or a window edge crossing the block. Uniform across the tile; blocks strictly inside need no
+// mask. Plain ints rather than a RowBounds: with the struct, the whole-row kernel's
 // per-block test compiled longer (SASS, d = 128).
-JAX_FA3_SEQ_HD bool block_needs_mask(int m_block, int n_block, int block_m, int block_n, int k_len,
+JAX_FA3_KR_HD bool block_needs_mask(int m_block, int n_block, int block_m, int block_n, int k_len,
                                      int diag, int left, int right) {
   const int row_first = m_block * block_m;
   const int row_last = row_first + block_m - 1;

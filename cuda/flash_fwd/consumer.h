@@ -171,7 +171,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
                 "tail-split pieces run in the plain order without turns");
   for (int index = blockIdx.x; index < num_work_items<Traits::kTailSplit>(p.scheduler);
        index += gridDim.x) {
-    const ItemBlocks work = item_blocks<Traits::kTailSplit, Traits::kSeqBounds>(
+    const ItemBlocks work = item_blocks<Traits::kTailSplit, Traits::kKeyRanges>(
         p.scheduler, index, kBlockM, kBlockN, sc);
     const TileCoord c = work.tile;
     // Tail-split pieces (fp8/tail_split.h): the blocks this item visits; those >= max_only_from
@@ -179,6 +179,16 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     const PieceRange piece = work.piece;
     const BlockRange range = piece.visit;
     const int row_g = c.m_block * kBlockM + 64 * (thread_idx / 128) + fc.row0;
+    // Key ranges: this thread's two rows' keys, read once per tile (the array has whole tiles of
+    // rows, so no row test).
+    [[maybe_unused]] KeyRange row_keys[2];
+    if constexpr (Traits::kKeyRanges) {
+      const int s_pad = key_range_rows(sc.s_q);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        row_keys[r] = key_range(sc.key_ranges, c.batch, s_pad, row_g + 8 * r, sc.s_k);
+      }
+    }
     // fp8 only: per-row exp2 scales (softmax_scale * log2 e * q_scale of the row's block), this
     // (batch, kv-head)'s per-key k scales and its v scale (1 for 16-bit types, which RowScaling
     // does not read).
@@ -231,13 +241,14 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
       } else {
         if (use_softcap) apply_softcap(tSrS, sc.softcap_pre, sc.softcap);
       }
-      // Whole rows: straight from the kernel parameters (the same values as work.bounds).
-      const int k_len = Traits::kSeqBounds ? work.bounds.k_len : sc.s_k;
-      if (block_needs_mask(c.m_block, n_block, kBlockM, kBlockN, k_len,
-                           Traits::kSeqBounds ? work.bounds.diag : sc.s_k - sc.s_q,
-                           sc.window_left, sc.window_right)) {
-        apply_mask(tSrS, row_g, n_block * kBlockN + fc.col0, k_len,
-                   Traits::kSeqBounds ? work.bounds.diag : off, sc.window_left, sc.window_right);
+      if constexpr (Traits::kKeyRanges) {
+        if (keys_need_mask(work.keys, n_block * kBlockN, kBlockN)) {
+          apply_key_ranges(tSrS, row_keys, n_block * kBlockN + fc.col0);
+        }
+      } else if (block_needs_mask(c.m_block, n_block, kBlockM, kBlockN, sc.s_k, sc.s_k - sc.s_q,
+                                  sc.window_left, sc.window_right)) {
+        apply_mask(tSrS, row_g, n_block * kBlockN + fc.col0, sc.s_k, off, sc.window_left,
+                   sc.window_right);
       }
     };
 
@@ -457,9 +468,9 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     float inv_sum[2], lse[2];
     softmax.finalize(sc.scale_log2, v_scale, inv_sum, lse);
     rescale_rows(tOrO, inv_sum);
-    // A tile's padded rows ran with its real rows (their blocks are the same); only their
+    // A row that sees no key ran with the tile's other rows, every score masked; only its
     // results are dropped.
-    if constexpr (Traits::kSeqBounds) clear_padded_rows(tOrO, lse, row_g, work.bounds.q_len);
+    if constexpr (Traits::kKeyRanges) clear_rows_without_keys(tOrO, lse, row_keys);
     if constexpr (kFp8) {
       wait_v_mean<Traits::kNumConsumerThreads>();
       add_v_mean(tOrO, ss.v_mean, fc.col0, sc.d, inv_sum);

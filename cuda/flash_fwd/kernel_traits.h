@@ -96,10 +96,9 @@ struct ForwardTraitsBase {
   uint64_t v_full[kStages];                    \
   uint64_t v_empty[kStages];
 
-// kSeqBounds_: the padded-batch variant, reading per-row lengths and diagonals
-// (common/seq_bounds.h) per tile; a separate instantiation, so that the whole-row kernel's code
-// stays free of the per-row values.
-template <int kHeadDim_, typename Element_, bool kSeqBounds_ = false>
+// kKeyRanges_: the masked variant, reading per-query key ranges (common/key_ranges.h) in place of
+// the window; a separate instantiation, so that the whole-row kernel's code stays free of them.
+template <int kHeadDim_, typename Element_, bool kKeyRanges_ = false>
 struct KernelTraits
     : ForwardTraitsBase<kHeadDim_, Element_, 128, BlockN<kHeadDim_>::value> {
   using Base = ForwardTraitsBase<kHeadDim_, Element_, 128, BlockN<kHeadDim_>::value>;
@@ -124,7 +123,7 @@ struct KernelTraits
   static constexpr bool kPipelinedPv = false;
   static constexpr bool kPingPong = true;
   static constexpr bool kTailSplit = false;  // fp8/tail_split.h: fp8 kernels only
-  static constexpr bool kSeqBounds = kSeqBounds_;
+  static constexpr bool kKeyRanges = kKeyRanges_;
   // setmaxnreg budget: 128 * (24 + 2 * 240) = 64512 <= 65536 registers per SM.
   static constexpr int kConsumerRegs = 240;
 

@@ -36,7 +36,8 @@ inline FlashFwdScalars make_scalars(const FlashFwdParams& p) {
   s.window_left = clamp_window_past_reach(p.window_left, p.s_q, p.s_k);
   s.window_right = clamp_window_past_reach(p.window_right, p.s_q, p.s_k);
   s.lse = p.lse;
-  s.seq_bounds = p.seq_bounds;
+  s.key_ranges = p.key_ranges;
+  s.key_covers = p.key_covers;
   return s;
 }
 
@@ -75,7 +76,7 @@ cudaError_t launch_traits(const FlashFwdParams& p, cudaStream_t stream) {
 template <int kHeadDim, DType kDType>
 cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
-  if (p.seq_bounds != nullptr) {
+  if (p.key_ranges != nullptr) {
     return launch_traits<KernelTraits<kHeadDim, Element, true>>(p, stream);
   }
   return launch_traits<KernelTraits<kHeadDim, Element, false>>(p, stream);

@@ -24,9 +24,10 @@ struct FlashFwdParams {
   float softcap;        // 0 = off; else s = softcap * tanh(softmax_scale * q·k / softcap)
   int window_left;      // -1 = unbounded
   int window_right;     // -1 = unbounded; causal arrives as 0
-  // Per-batch-row query/key lengths and mask diagonal, int32 (b, 4) (common/seq_bounds.h), or
-  // nullptr: every row whole. 16-bit kernels only.
-  const int* seq_bounds = nullptr;
+  // Per-query key ranges and their 64-row covers (common/key_ranges.h), or nullptr: whole rows
+  // under the window above. 16-bit kernels only; the ranges replace the window.
+  const int* key_ranges = nullptr;
+  const int* key_covers = nullptr;
 };
 
 // The device-side view of the scalars: the scale already folded into the log2 domain.
@@ -39,7 +40,8 @@ struct FlashFwdScalars {
   float softcap;       // 0 = off
   int window_left, window_right;
   float* lse;
-  const int* seq_bounds;  // FlashFwdParams::seq_bounds
+  const int* key_ranges;  // FlashFwdParams::key_ranges
+  const int* key_covers;  // FlashFwdParams::key_covers
 };
 
 }  // namespace jax_fa3

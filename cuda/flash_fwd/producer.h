@@ -54,7 +54,7 @@ __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
   uint32_t q_phase = 0;
   for (int index = blockIdx.x; index < num_work_items<Traits::kTailSplit>(p.scheduler);
        index += gridDim.x) {
-    const ItemBlocks work = item_blocks<Traits::kTailSplit, Traits::kSeqBounds>(
+    const ItemBlocks work = item_blocks<Traits::kTailSplit, Traits::kKeyRanges>(
         p.scheduler, index, kBlockM, kBlockN, sc);
     const TileCoord c = work.tile;
     const int kv_head = c.head / group;

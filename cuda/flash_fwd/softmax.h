@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cute/tensor.hpp>
 
+#include "common/key_ranges.h"
 #include "flash_fwd/exp2_fma.h"
 
 namespace jax_fa3::fwd {
@@ -50,6 +51,20 @@ __device__ __forceinline__ void apply_mask(Frag& s, int row_g, int col_g, int s_
     if (right >= 0) hi[r] = min(hi[r], row + off + right + 1 - col_g);
     lo[r] = left >= 0 ? row + off - left - col_g : INT_MIN;
   }
+#pragma unroll
+  for (int i = 0; i < cute::size(s); ++i) {
+    const int r = frag_row(i);
+    const int col = frag_col(i);
+    if (col >= hi[r] || col < lo[r]) s(i) = -INFINITY;
+  }
+}
+
+// Sets scores outside each row's key range (common/key_ranges.h) to -inf; col_g: the column of
+// idx 0. The same two compares per element as apply_mask.
+template <typename Frag>
+__device__ __forceinline__ void apply_key_ranges(Frag& s, const KeyRange (&keys)[2], int col_g) {
+  const int lo[2] = {keys[0].lo - col_g, keys[1].lo - col_g};
+  const int hi[2] = {keys[0].hi - col_g, keys[1].hi - col_g};
 #pragma unroll
   for (int i = 0; i < cute::size(s); ++i) {
     const int r = frag_row(i);
@@ -241,20 +256,20 @@ __device__ __forceinline__ void rescale_rows(Frag& o, const float (&factor)[2]) 
   for (int i = 0; i < cute::size(o); ++i) o(i) *= factor[frag_row(i)];
 }
 
-// Rows at or past q_len (a padded batch's padding, common/seq_bounds.h) -> out 0, lse +inf.
-// A select rather than a zero factor, so that inf or NaN in the padding never leaks into O.
-// row0: this thread's first row (the second is row0 + 8).
+// Rows whose key range is empty (common/key_ranges.h) -> out 0, lse +inf. A select rather than a
+// zero factor, so that inf or NaN in masked keys or values never leaks into O.
 template <typename Frag>
-__device__ __forceinline__ void clear_padded_rows(Frag& o, float (&lse)[2], int row0, int q_len) {
-  if (row0 + 8 < q_len) return;  // both rows real: the common case
-  const bool padded[2] = {row0 >= q_len, row0 + 8 >= q_len};
+__device__ __forceinline__ void clear_rows_without_keys(Frag& o, float (&lse)[2],
+                                                        const KeyRange (&keys)[2]) {
+  const bool empty[2] = {keys[0].lo >= keys[0].hi, keys[1].lo >= keys[1].hi};
+  if (!(empty[0] | empty[1])) return;  // the common case
 #pragma unroll
   for (int i = 0; i < cute::size(o); ++i) {
-    if (padded[frag_row(i)]) o(i) = 0.f;
+    if (empty[frag_row(i)]) o(i) = 0.f;
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    if (padded[r]) lse[r] = INFINITY;
+    if (empty[r]) lse[r] = INFINITY;
   }
 }
 

@@ -74,24 +74,32 @@ __device__ __forceinline__ int num_work_items(const TileScheduler& scheduler) {
 }
 
 // Work item `index` of the sequence (producer and consumers walk the same one): its tile, its
-// batch row's bounds (kSeqBounds: read from sc.seq_bounds when given; else whole rows) and the K/V
-// blocks it visits (block_range, cut to the piece). Without the split, the whole tile.
+// keys (kKeyRanges: the tile's TileKeys from sc.key_covers, common/key_ranges.h; else unused) and
+// the K/V blocks it visits (block_range or key_blocks, cut to the piece). Without the split, the
+// whole tile.
 struct ItemBlocks {
   TileCoord tile;
-  RowBounds bounds;
+  TileKeys keys;
   PieceRange piece;
 };
-template <bool kTailSplit, bool kSeqBounds>
+template <bool kTailSplit, bool kKeyRanges>
 __device__ __forceinline__ ItemBlocks item_blocks(const TileScheduler& scheduler, int index,
                                                   int block_m, int block_n,
                                                   const FlashFwdScalars& sc) {
   const WorkItem item = kTailSplit ? scheduler.item(index, gridDim.x)
                                    : WorkItem{scheduler.coord(index, gridDim.x), kWholeTile};
-  const RowBounds bounds =
-      row_bounds(kSeqBounds ? sc.seq_bounds : nullptr, item.tile.batch, sc.s_q, sc.s_k);
-  const BlockRange whole = block_range<kSeqBounds>(item.tile.m_block, block_m, block_n, bounds,
-                                                   sc.window_left, sc.window_right);
-  return {item.tile, bounds, piece_range(whole, item.piece)};
+  if constexpr (kKeyRanges) {
+    const TileKeys keys =
+        tile_keys(sc.key_covers, item.tile.batch, key_range_rows(sc.s_q) / kKeyRangeGranule,
+                  item.tile.m_block * (block_m / kKeyRangeGranule), block_m / kKeyRangeGranule,
+                  sc.s_k);
+    return {item.tile, keys, piece_range(key_blocks(keys, block_n), item.piece)};
+  } else {
+    const BlockRange whole = block_range<false>(item.tile.m_block, block_m, block_n,
+                                                whole_rows(sc.s_q, sc.s_k), sc.window_left,
+                                                sc.window_right);
+    return {item.tile, TileKeys{}, piece_range(whole, item.piece)};
+  }
 }
 
 // Tiles to split for num_tiles tiles on grid CTAs (0: none): the last round must leave at least

@@ -80,7 +80,7 @@ struct Fp8KernelTraits
   // The last round's tiles split in two pieces over two CTAs each (fp8/tail_split.h): only in the
   // plain order (the intra-warpgroup overlap's first block and ping-pong turns assume whole tiles).
   static constexpr bool kTailSplit = kPipelinedPv;
-  static constexpr bool kSeqBounds = false;  // whole rows only (the 16-bit kernels take bounds)
+  static constexpr bool kKeyRanges = false;  // whole rows only (the 16-bit kernels take ranges)
   // setmaxnreg budget (65536 registers per SM): at most 128 * 24 + 256 * 240 (two consumer
   // warpgroups; d128 uses less, below) or 128 * 24 + 384 * 160 (three).
   // d128: capped at 208 although 240 fit. With the interval mask (softmax.h) ptxas has registers

@@ -1,7 +1,7 @@
-// Host check of the block ranges over a padded batch's row bounds (common/seq_bounds.h), against
-// the per-element visibility rule, for the forward (cuda/flash_fwd/block_info.h) and the backward
-// (cuda/flash_bwd/block_range.h): lengths from 0 past a block, diagonals across their range,
-// causal, sliding windows and none.
+// Host check of the whole-row kernels' block ranges (common/row_bounds.h), against the
+// per-element visibility rule, for the forward (cuda/flash_fwd/block_info.h) and the backward
+// (cuda/flash_bwd/block_range.h), over the general (q_len, k_len, diag) the functions take:
+// lengths from 0 past a block, diagonals across their range, causal, sliding windows and none.
 //   forward:  every block holding a visible (real row, key) pair lies in the tile's [n_min, n_max),
 //             and a block block_needs_mask passes holds no hidden pair;
 //   backward: K block n's m_range holds every Q block with a visible pair; the K blocks visiting
@@ -81,9 +81,7 @@ int main() {
               }
             }
             // Backward.
-            jax_fa3::flash_bwd::BlockGeometry whole{bm, bn, wl, wr,
-                                                    jax_fa3::row_bounds(nullptr, 0, s_q, s_k)};
-            const auto geom = whole.for_row(bounds);
+            const jax_fa3::flash_bwd::BlockGeometry geom{bm, bn, wl, wr, bounds};
             for (int m = 0; m < num_m; ++m) {
               int first = -1, last = -1;
               bool contiguous = true;
@@ -110,11 +108,6 @@ int main() {
                       !all_visible(m * bm, (m + 1) * bm, j0, j0 + cols, bounds, wl, wr, false))
                     fail("bwd piece_needs_mask false on a hidden pair", bounds, wl, wr, bm, bn, m,
                          n);
-                  for (int i = m * bm; i < (m + 1) * bm; i += 7)
-                    for (int j = j0; j < j0 + cols; j += 5)
-                      if (jax_fa3::flash_bwd::visible(i, j, bounds, wl, wr) !=
-                          sees(i, j, bounds, wl, wr))
-                        fail("bwd visible disagrees with the rule", bounds, wl, wr, bm, bn, i, j);
                 }
               }
             }
@@ -122,15 +115,6 @@ int main() {
         }
       }
     }
-  }
-  // Clamping: lengths into [0, s], the diagonal into [-s_q, s_k].
-  const int raw[2][4] = {{-5, 999, -9999, 0}, {7, -1, 9999, 0}};
-  const RowBounds c0 = jax_fa3::row_bounds(&raw[0][0], 0, s_q, s_k);
-  const RowBounds c1 = jax_fa3::row_bounds(&raw[0][0], 1, s_q, s_k);
-  if (c0.q_len != 0 || c0.k_len != s_k || c0.diag != -s_q || c1.q_len != 7 || c1.k_len != 0 ||
-      c1.diag != s_k) {
-    ++failures;
-    std::printf("FAIL row_bounds clamp\n");
   }
   std::printf("%d cases, %d failures: %s\n", cases, failures, failures ? "FAILED" : "ok");
   return failures ? 1 : 0;

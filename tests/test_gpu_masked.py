@@ -1,5 +1,5 @@
-"""The kernels' padded-batch variants (jax_fa3_flash_fwd_bounded / _bwd_bounded: per-row query
-and key lengths and mask diagonals, cuda/common/seq_bounds.h) through the public API: lengths in
+"""The kernels' key-range variants (jax_fa3_flash_fwd_key_ranges / _bwd_key_ranges: one interval
+of keys per query, cuda/common/key_ranges.h) through the public API: lengths and segment ids in
 `flash_attention`, `flash_attention_varlen` and a contiguous KV cache (GPU only).
 
 Main check, tolerance-free: a padded row's real part computes exactly what the plain kernel
@@ -9,7 +9,8 @@ the row's slices wherever the row's diagonal is its own bottom-right alignment (
 varlen, the KV cache, padded self-attention). The other diagonals (flash_attention with unequal
 padding under a causal or window mask) are held to the float64 oracle. Padding holds random
 finite values (and NaN where the contract allows) and every output is poisoned first, so the
-zeros of padded rows and keys are written, not left over.
+zeros of padded rows and keys are written, not left over. Packed documents (segment ids) are
+held to the float64 oracle, forward and backward.
 """
 import os
 
@@ -24,16 +25,16 @@ import jax_fa3
 from jax_fa3 import _local_attention
 from ffi_probe import ffi_error_message
 from kernel_build import skip_unless_compiled
-from kernel_targets import (FLASH_BWD, FLASH_BWD_BOUNDED, FLASH_FWD, FLASH_FWD_BOUNDED,
+from kernel_targets import (FLASH_BWD, FLASH_BWD_KEY_RANGES, FLASH_FWD, FLASH_FWD_KEY_RANGES,
                             run_on_kernels)
-from oracle import attention_oracle
+from oracle import attention_oracle, attention_oracle_grads, padding_mask
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
-def _padded_kernels(monkeypatch):
-  monkeypatch.setenv(_local_attention.PADDED_KERNELS_ENV, "1")
+def _masked_kernels(monkeypatch):
+  monkeypatch.setenv(_local_attention.MASKED_KERNELS_ENV, "1")
 
 
 def _normal(seed, shape, dtype=jnp.bfloat16):
@@ -76,9 +77,9 @@ def test_padded_rows_equal_the_plain_kernel_on_each_row(d, causal, rows):
     return jax_fa3.flash_attention(q, k, v, query_seq_lengths=q_len, key_value_seq_lengths=k_len,
                                    return_lse=True, **kw)
 
-  out, lse = run_on_kernels(jax.jit(padded), q, k, v, expected={FLASH_FWD_BOUNDED})
+  out, lse = run_on_kernels(jax.jit(padded), q, k, v, expected={FLASH_FWD_KEY_RANGES})
   grads = run_on_kernels(_loss_grad(lambda *a: padded(*a)[0], dout), q, k, v,
-                         expected={FLASH_FWD_BOUNDED, FLASH_BWD_BOUNDED})
+                         expected={FLASH_FWD_KEY_RANGES, FLASH_BWD_KEY_RANGES})
   out, lse = np.asarray(out), np.asarray(lse)
   dq, dk, dv = (np.asarray(g) for g in grads)
   for r, (ql, kl) in enumerate(zip(q_lens, k_lens)):
@@ -136,7 +137,7 @@ def test_unequal_padding_under_masks_matches_the_oracle(window):
           q, k, v, window_size=window, return_lse=True,
           query_seq_lengths=jnp.asarray(q_lens, jnp.int32),
           key_value_seq_lengths=jnp.asarray(k_lens, jnp.int32))), q, k, v,
-      expected={FLASH_FWD_BOUNDED})
+      expected={FLASH_FWD_KEY_RANGES})
   want_out, want_lse = _oracle_with_diagonals(q, k, v, q_lens, k_lens, [s_k - s_q] * b, window,
                                               d ** -0.5)
   got = np.asarray(out, np.float64)
@@ -148,7 +149,7 @@ def test_unequal_padding_under_masks_matches_the_oracle(window):
   np.testing.assert_allclose(np.asarray(lse)[~empty], want_lse[~empty], atol=2e-3, rtol=0)
 
 
-def test_varlen_runs_on_the_padded_kernels_and_matches_each_sequence():
+def test_varlen_runs_on_the_masked_kernels_and_matches_each_sequence():
   lens_q, lens_k = [5, 130, 0, 64, 1], [7, 130, 3, 200, 1]
   h, d = 4, 128
   cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
@@ -157,7 +158,7 @@ def test_varlen_runs_on_the_padded_kernels_and_matches_each_sequence():
   skip_unless_compiled(q[None])
   call = jax.jit(lambda q, k, v: jax_fa3.flash_attention_varlen(
       q, k, v, jnp.asarray(cu_q), jnp.asarray(cu_k), max(lens_q), max(lens_k), causal=True))
-  out = np.asarray(run_on_kernels(call, q, k, v, expected={FLASH_FWD_BOUNDED}))
+  out = np.asarray(run_on_kernels(call, q, k, v, expected={FLASH_FWD_KEY_RANGES}))
   for r in range(len(lens_q)):
     a, e = cu_q[r], cu_q[r + 1]
     if a == e:
@@ -167,7 +168,40 @@ def test_varlen_runs_on_the_padded_kernels_and_matches_each_sequence():
     np.testing.assert_array_equal(_bits(out[a:e]), _bits(np.asarray(want)[0]), f"sequence {r}")
 
 
-def test_kv_cache_decode_reads_the_cache_in_place_on_the_padded_kernel():
+@pytest.mark.parametrize("window", [(-1, 0), (-1, -1), (70, 0)])
+def test_varlen_self_attention_runs_packed_on_the_kernels(window):
+  # Queries and keys sharing their sequences: the packed arrays are one row of documents
+  # (jax_fa3.varlen), no gather; every sequence against the float64 oracle alone.
+  lens = [5, 130, 0, 64, 1, 300]
+  h, h_k, d = 4, 2, 128
+  cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+  total = int(cu[-1])
+  q, k, v = _normal(50, (total, h, d)), _normal(51, (total, h_k, d)), _normal(52, (total, h_k, d))
+  dout = _normal(53, (total, h, d))
+  skip_unless_compiled(q[None])
+  cu_j = jnp.asarray(cu)
+  call = lambda q, k, v: jax_fa3.flash_attention_varlen(q, k, v, cu_j, cu_j, max(lens), max(lens),
+                                                        window_size=window, return_lse=True)
+  out, lse = run_on_kernels(jax.jit(call), q, k, v, expected={FLASH_FWD_KEY_RANGES})
+  grads = run_on_kernels(_loss_grad(lambda q, k, v: call(q, k, v)[0], dout), q, k, v,
+                         expected={FLASH_FWD_KEY_RANGES, FLASH_BWD_KEY_RANGES})
+  options = dict(softmax_scale=d ** -0.5, window_left=window[0], window_right=window[1])
+  for r, n in enumerate(lens):
+    if n == 0:
+      continue
+    s = slice(int(cu[r]), int(cu[r + 1]))
+    arrays = [np.asarray(x, np.float64)[None, s] for x in (q, k, v, dout)]
+    want_out, want_lse = attention_oracle(*arrays[:3], **options)
+    np.testing.assert_allclose(np.asarray(out, np.float64)[s], want_out[0],
+                               atol=1e-2 * np.abs(want_out).max(), rtol=0, err_msg=f"seq {r}")
+    np.testing.assert_allclose(np.asarray(lse)[:, s], want_lse[0], atol=2e-3, rtol=0)
+    for name, got, want in zip(("dq", "dk", "dv"), grads,
+                               attention_oracle_grads(*arrays, **options)):
+      np.testing.assert_allclose(np.asarray(got, np.float64)[s], want[0],
+                                 atol=2e-2 * np.abs(want).max(), rtol=0, err_msg=f"{name} {r}")
+
+
+def test_kv_cache_decode_reads_the_cache_in_place_on_the_masked_kernel():
   b, cap, h, h_k, d = 3, 1000, 8, 2, 128
   k_cache, v_cache = _normal(8, (b, cap, h_k, d)), _normal(9, (b, cap, h_k, d))
   q = _normal(10, (b, 1, h, d))
@@ -175,7 +209,7 @@ def test_kv_cache_decode_reads_the_cache_in_place_on_the_padded_kernel():
   lengths = jnp.asarray([1, 999, 517], jnp.int32)
   call = jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
       q, kc, vc, cache_seqlens=lengths, causal=True))
-  out = np.asarray(run_on_kernels(call, q, k_cache, v_cache, expected={FLASH_FWD_BOUNDED}))
+  out = np.asarray(run_on_kernels(call, q, k_cache, v_cache, expected={FLASH_FWD_KEY_RANGES}))
   for r, n in enumerate(np.asarray(lengths)):
     want = jax.jit(lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=True))(
         q[r:r + 1], k_cache[r:r + 1, :n], v_cache[r:r + 1, :n])
@@ -194,7 +228,7 @@ def test_nan_in_padded_queries_and_keys_stays_out_of_real_rows():
   k_nan = k.at[0, 100:].set(jnp.nan)
   call = jax.jit(lambda q, k, v: jax_fa3.flash_attention(
       q, k, v, causal=True, query_seq_lengths=lens, key_value_seq_lengths=lens))
-  clean = np.asarray(run_on_kernels(call, q, k, v, expected={FLASH_FWD_BOUNDED}))
+  clean = np.asarray(run_on_kernels(call, q, k, v, expected={FLASH_FWD_KEY_RANGES}))
   dirty = np.asarray(call(q_nan, k_nan, v))
   np.testing.assert_array_equal(_bits(dirty), _bits(clean))
   assert not np.any(np.asarray(dirty[0, 100:], np.float32))
@@ -202,7 +236,7 @@ def test_nan_in_padded_queries_and_keys_stays_out_of_real_rows():
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_split_kv_decode_matches_the_unsplit_call(causal):
-  # Split-KV (jax_fa3._cache_attention): pieces of a contiguous cache as batch rows of the padded
+  # Split-KV (jax_fa3._cache_attention): pieces of a contiguous cache as batch rows of the masked
   # kernel, merged by lse. The pieces' outputs are rounded to bf16 before the merge, so the
   # merged out may differ from the unsplit call by a few bf16 roundings of its magnitude.
   b, cap, h, h_k, d = 2, 4096, 16, 2, 128
@@ -215,20 +249,88 @@ def test_split_kv_decode_matches_the_unsplit_call(causal):
     return jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
         q, kc, vc, cache_seqlens=lengths, causal=causal, num_splits=splits, return_lse=True))
 
-  out1, lse1 = run_on_kernels(call(1), q, k_cache, v_cache, expected={FLASH_FWD_BOUNDED})
-  out8, lse8 = run_on_kernels(call(8), q, k_cache, v_cache, expected={FLASH_FWD_BOUNDED})
+  out1, lse1 = run_on_kernels(call(1), q, k_cache, v_cache, expected={FLASH_FWD_KEY_RANGES})
+  out8, lse8 = run_on_kernels(call(8), q, k_cache, v_cache, expected={FLASH_FWD_KEY_RANGES})
   out1, out8 = np.asarray(out1, np.float32), np.asarray(out8, np.float32)
   np.testing.assert_allclose(out8, out1, atol=4 * 2**-8 * np.abs(out1).max(), rtol=0)
   np.testing.assert_allclose(np.asarray(lse8), np.asarray(lse1), atol=1e-4, rtol=1e-5)
 
 
+def _documents(s, lengths):
+  """Segment ids of documents of these lengths packed from position 0, the rest padding (id 0)."""
+  ids = np.zeros(s, np.int32)
+  at = 0
+  for doc, n in enumerate(lengths, start=1):
+    ids[at:at + n] = doc
+    at += n
+  return ids
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (50, 0)])
+def test_packed_documents_match_the_oracle(d, window):
+  # Documents of 1 token, across tile edges, a whole row, and padding after them (its own id,
+  # so padding tokens attend to one another, as the masks' rule says).
+  s, h, h_k = 400, 4, 2
+  seg = np.stack([_documents(s, [130, 1, 63, 129, 20]), _documents(s, [400]),
+                  _documents(s, [1] * 5 + [300])])
+  b = len(seg)
+  q, k, v = _normal(d + 30, (b, s, h, d)), _normal(d + 31, (b, s, h_k, d)), _normal(d + 32, (b, s, h_k, d))
+  dout = _normal(d + 33, (b, s, h, d))
+  skip_unless_compiled(q)
+  ids = jnp.asarray(seg)
+  kw = dict(window_size=window, q_segment_ids=ids, kv_segment_ids=ids)
+  out, lse = run_on_kernels(
+      jax.jit(lambda q, k, v: jax_fa3.flash_attention(q, k, v, return_lse=True, **kw)), q, k, v,
+      expected={FLASH_FWD_KEY_RANGES})
+  grads = run_on_kernels(_loss_grad(lambda q, k, v: jax_fa3.flash_attention(q, k, v, **kw), dout),
+                         q, k, v, expected={FLASH_FWD_KEY_RANGES, FLASH_BWD_KEY_RANGES})
+  mask = padding_mask(s, s, q_segment_ids=seg, kv_segment_ids=seg)
+  options = dict(softmax_scale=d ** -0.5, window_left=window[0], window_right=window[1],
+                 mask=mask)
+  arrays = [np.asarray(x, np.float64) for x in (q, k, v, dout)]
+  want_out, want_lse = attention_oracle(*arrays[:3], **options)
+  # bf16: the output's rounding (2^-8 relative) and P, dS rounded to bf16 before their GEMMs: a
+  # few roundings of each tensor's magnitude.
+  np.testing.assert_allclose(np.asarray(out, np.float64), want_out,
+                             atol=1e-2 * np.abs(want_out).max(), rtol=0)
+  np.testing.assert_allclose(np.asarray(lse), want_lse, atol=2e-3, rtol=0)
+  for name, got, want in zip(("dq", "dk", "dv"), grads, attention_oracle_grads(*arrays, **options)):
+    np.testing.assert_allclose(np.asarray(got, np.float64), want,
+                               atol=2e-2 * np.abs(want).max(), rtol=0, err_msg=name)
+
+
+def test_unordered_segment_ids_run_on_the_kernels_and_split_ones_on_the_reference():
+  # Each id one contiguous run, in any order (the kernels' case), against an id split in two
+  # (decided on the device: the reference path runs instead). Both match the oracle.
+  s, h, d = 256, 2, 64
+  q, k, v = _normal(40, (1, s, h, d)), _normal(41, (1, s, h, d)), _normal(42, (1, s, h, d))
+  skip_unless_compiled(q)
+  runs = np.repeat(np.array([5, 2, 9, 0], np.int32), 64)[None]
+  split = np.tile(np.repeat(np.array([1, 2], np.int32), 32), 4)[None]
+  for seg in (runs, split):
+    ids = jnp.asarray(seg)
+    call = jax.jit(lambda q, k, v: jax_fa3.flash_attention(
+        q, k, v, causal=True, q_segment_ids=ids, kv_segment_ids=ids))
+    out = run_on_kernels(call, q, k, v, expected={FLASH_FWD_KEY_RANGES})
+    want, _ = attention_oracle(*(np.asarray(x, np.float64) for x in (q, k, v)),
+                               softmax_scale=d ** -0.5, window_right=0,
+                               mask=padding_mask(s, s, q_segment_ids=seg, kv_segment_ids=seg))
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, atol=1e-2 * np.abs(want).max(),
+                               rtol=0)
+
+
 @pytest.mark.parametrize("target,extra_args", [
-    ("jax_fa3_flash_fwd_bounded", ""),
-    ("jax_fa3_flash_bwd_bounded", "q, q, lse, "),
+    ("jax_fa3_flash_fwd_key_ranges", ""),
+    ("jax_fa3_flash_bwd_key_ranges", "q, q, lse, "),
 ])
-def test_ffi_handlers_reject_bad_seq_bounds(target, extra_args):
-  # A (b, 3) array instead of (b, 4), and an int64 one: an InvalidArgument naming seq_bounds.
-  for bounds in ("jnp.zeros((2, 3), jnp.int32)", "np.zeros((2, 4), np.int64)"):
+def test_ffi_handlers_reject_bad_key_ranges(target, extra_args):
+  # s_q = 8: ranges (2, 128, 2) and covers (2, 2, 4). Unpadded ranges, int64 ranges and covers of
+  # the wrong shape: an InvalidArgument naming the operand.
+  good_ranges, good_covers = "jnp.zeros((2, 128, 2), jnp.int32)", "jnp.zeros((2, 2, 4), jnp.int32)"
+  for ranges, covers, name in (("jnp.zeros((2, 8, 2), jnp.int32)", good_covers, "key_ranges"),
+                               ("np.zeros((2, 128, 2), np.int64)", good_covers, "key_ranges"),
+                               (good_ranges, "jnp.zeros((2, 1, 4), jnp.int32)", "key_covers")):
     results = ("(jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((2, 4, 8), "
                "jnp.float32))" if "fwd" in target else
                "(jax.ShapeDtypeStruct(q.shape, q.dtype),) * 3 + "
@@ -239,8 +341,8 @@ def test_ffi_handlers_reject_bad_seq_bounds(target, extra_args):
       q = jnp.ones((2, 8, 4, 64), jnp.bfloat16)
       lse = jnp.zeros((2, 4, 8), jnp.float32)
       call = jax.ffi.ffi_call("{target}", {results})
-      result = lambda: call(q, q, q, {extra_args}{bounds}, softmax_scale=np.float32(0.125),
-                            softcap=np.float32(0), window_left=np.int32(-1),
-                            window_right=np.int32(-1){bwd_attrs})
+      result = lambda: call(q, q, q, {extra_args}{ranges}, {covers},
+                            softmax_scale=np.float32(0.125), softcap=np.float32(0),
+                            window_left=np.int32(-1), window_right=np.int32(-1){bwd_attrs})
     """)
-    assert "seq_bounds" in message, message
+    assert name in message, message

@@ -1,0 +1,100 @@
+"""Per-query key ranges: the one visibility rule of the masked kernels (cuda/common/key_ranges.h).
+
+Every mask a padded or packed batch carries -- query and key lengths, the causal / window band
+around key `i + diagonal`, segment ids whose segments are contiguous runs of keys -- leaves query
+row `i` one interval of visible keys `[lo, hi)`. This module folds the masks
+`(q_lengths, kv_lengths, diagonals[, q_segment_ids, kv_segment_ids])` (see
+`reference.attention_forward`) into those intervals, and summarises them per 64-row granule
+(the covers) so that a kernel tile can skip the key blocks none of its rows sees and mask only the
+blocks that not all of its rows see.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+ROW_PAD = 128  # rows of the ranges array: s_q rounded up to this (the largest kernel tile)
+GRANULE = 64   # rows per cover (the smallest kernel tile)
+
+
+def padded_rows(s_q: int) -> int:
+  return -(-s_q // ROW_PAD) * ROW_PAD
+
+
+def _segment_runs(q_segment, kv_segment):
+  """For one batch row: the run of keys [lo, hi) holding query i's segment id (lo = hi = 0 when
+  no key has it), and whether every query's segment is one contiguous run of keys (else [lo, hi)
+  is only the run of its first key, and the caller must not use the ranges)."""
+  s_k = kv_segment.shape[0]
+  if s_k == 0:
+    zeros = jnp.zeros(q_segment.shape, jnp.int32)
+    return zeros, zeros, jnp.bool_(True)
+  key = jnp.arange(s_k, dtype=jnp.int32)
+  changes = kv_segment[1:] != kv_segment[:-1]
+  starts_run = jnp.concatenate([jnp.array([True]), changes])
+  ends_run = jnp.concatenate([changes, jnp.array([True])])
+  run_start = jax.lax.cummax(jnp.where(starts_run, key, 0))
+  run_end = jax.lax.cummin(jnp.where(ends_run, key + 1, s_k), reverse=True)
+  order = jnp.argsort(kv_segment, stable=True)
+  sorted_ids = kv_segment[order]
+  first = jnp.searchsorted(sorted_ids, q_segment, side="left")
+  count = jnp.searchsorted(sorted_ids, q_segment, side="right") - first
+  at = jnp.minimum(first, s_k - 1)
+  found = count > 0
+  first_key = order[at]  # the id's smallest key index (a stable sort)
+  lo = jnp.where(found, run_start[first_key], 0).astype(jnp.int32)
+  hi = jnp.where(found, run_end[first_key], 0).astype(jnp.int32)
+  contiguous = jnp.all(~found | (count == hi - lo))
+  return lo, hi, contiguous
+
+
+def row_ranges(masks, s_q: int, s_k: int, window_left: int, window_right: int):
+  """(lo, hi, exact): int32 (b, s_q) visible keys [lo, hi) per query (lo = hi = 0 for a query
+  that sees nothing) and a bool scalar, False when some segment is not one contiguous run of keys
+  (then the intervals are not the masks and the caller takes another path)."""
+  q_lengths, kv_lengths, diagonals = (jnp.asarray(x, jnp.int32) for x in masks[:3])
+  query = jnp.arange(s_q, dtype=jnp.int32)[None]
+  # Clamped so that i + diagonal +- window stays in int32 without changing any interval: past
+  # 2 (s_q + s_k) a diagonal leaves every row all or none of the keys, and past 4 (s_q + s_k) a
+  # window reaches past every key from any such centre.
+  reach = s_q + s_k
+  centre = query + jnp.clip(diagonals, -2 * reach, 2 * reach)[:, None]
+  lo = jnp.zeros_like(centre)
+  hi = jnp.broadcast_to(jnp.clip(kv_lengths, 0, s_k)[:, None], centre.shape)
+  if 0 <= window_left:
+    lo = jnp.maximum(lo, centre - min(window_left, 4 * reach))
+  if 0 <= window_right:
+    hi = jnp.minimum(hi, centre + min(window_right, 4 * reach) + 1)
+  exact = jnp.bool_(True)
+  if len(masks) > 3:
+    seg_lo, seg_hi, contiguous = jax.vmap(_segment_runs)(masks[3], masks[4])
+    lo, hi = jnp.maximum(lo, seg_lo), jnp.minimum(hi, seg_hi)
+    exact = jnp.all(contiguous)
+  lo, hi = jnp.clip(lo, 0, s_k), jnp.clip(hi, 0, s_k)
+  sees = (query < q_lengths[:, None]) & (lo < hi)
+  return jnp.where(sees, lo, 0), jnp.where(sees, hi, 0), exact
+
+
+def kernel_operands(lo, hi, s_k: int):
+  """The masked kernels' two extra operands from row_ranges' lo, hi (b, s_q): the ranges, int32
+  (b, padded_rows(s_q), 2) with padding rows [0, 0), and their covers, int32
+  (b, padded_rows(s_q) / 64, 4): per granule (reach_lo, reach_hi, full_lo, full_hi), see
+  cuda/common/key_ranges.h."""
+  b, s_q = lo.shape
+  s_pad = padded_rows(s_q)
+  lo = jnp.pad(lo, ((0, 0), (0, s_pad - s_q)))
+  hi = jnp.pad(hi, ((0, 0), (0, s_pad - s_q)))
+  ranges = jnp.stack([lo, hi], axis=-1).astype(jnp.int32)
+  granules = s_pad // GRANULE
+  real = (jnp.arange(s_pad) < s_q).reshape(1, granules, GRANULE)
+  lo_g, hi_g = lo.reshape(b, granules, GRANULE), hi.reshape(b, granules, GRANULE)
+  sees = lo_g < hi_g
+  # Reach: the keys of every later (earlier) row lie at or past (before) it, so both are
+  # monotone over granules: a suffix minimum and a prefix maximum.
+  reach_lo = jax.lax.cummin(jnp.min(jnp.where(sees, lo_g, s_k), axis=2), axis=1, reverse=True)
+  reach_hi = jax.lax.cummax(jnp.max(jnp.where(sees, hi_g, 0), axis=2), axis=1)
+  # Full: the keys every real row of the granule sees (rows past s_q are never stored).
+  full_lo = jnp.max(jnp.where(real, lo_g, 0), axis=2)
+  full_hi = jnp.min(jnp.where(real, hi_g, s_k), axis=2)
+  covers = jnp.stack([reach_lo, reach_hi, full_lo, full_hi], axis=-1).astype(jnp.int32)
+  return ranges, covers
