@@ -298,6 +298,45 @@ def test_varlen_matches_oracle_per_sequence(causal, window):
       np.testing.assert_allclose(np.asarray(g)[s], rg[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (3, 0))])
+def test_varlen_packed_route_matches_the_oracle_per_sequence(causal, window, monkeypatch):
+  # Self-attention over packed sequences takes the packed route (one row, sequence indices as
+  # segment ids) where the kernels' key-range variants run; forced here, it runs the same
+  # masks on the pure-JAX path. Every sequence must match the oracle alone, gradients included.
+  from jax_fa3 import _local_attention, varlen  # noqa: PLC0415
+  monkeypatch.setattr(_local_attention, "masked_kernels_would_run", lambda q: True)
+  routed = []
+  packed = varlen._packed_attention
+  monkeypatch.setattr(varlen, "_packed_attention",
+                      lambda *a, **kw: routed.append(1) or packed(*a, **kw))
+  rng = np.random.default_rng(14)
+  lens = [23, 0, 1, 64, 9]
+  total = sum(lens)
+  q, k, v, dout = (jnp.asarray(rng.standard_normal((total, H if i in (0, 3) else H_K, D)),
+                               jnp.float32) for i in range(4))
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+  options = dict(causal=causal, window_size=window)
+  call = lambda q, k, v: jax_fa3.flash_attention_varlen(q, k, v, cu, cu, 64, 64, return_lse=True,
+                                                        **options)
+  out, lse = jax.jit(call)(q, k, v)
+  grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(call(q, k, v)[0] * dout),
+                           argnums=(0, 1, 2)))(q, k, v)
+  assert routed, "the packed route did not run"
+  oracle_options = dict(softmax_scale=D**-0.5, window_left=window[0],
+                        window_right=0 if causal else window[1])
+  for r in range(len(lens)):
+    s = slice(int(cu[r]), int(cu[r + 1]))
+    if lens[r] == 0:
+      continue
+    one = lambda x: np.asarray(x, np.float64)[None, s]
+    ref_out, ref_lse = attention_oracle(one(q), one(k), one(v), **oracle_options)
+    np.testing.assert_allclose(np.asarray(out)[s], ref_out[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse)[:, s], ref_lse[0], rtol=1e-5, atol=1e-5)
+    ref_grads = attention_oracle_grads(one(q), one(k), one(v), one(dout), **oracle_options)
+    for g, rg in zip(grads, ref_grads):
+      np.testing.assert_allclose(np.asarray(g)[s], rg[0], rtol=1e-5, atol=1e-5)
+
+
 def test_varlen_check_grads_float64():
   q, k, v, _, cu_q, cu_k = _varlen_inputs(13, jnp.float64)
   fn = lambda q, k, v: jax_fa3.flash_attention_varlen(q, k, v, cu_q, cu_k, 23, 23, causal=True)
