@@ -1,5 +1,5 @@
-"""Padded batches on the kernels: what sequence lengths cost when there is no padding, and what a
-half-padded batch saves.
+"""Padded and packed batches on the kernels: what lengths, segment ids and varlen cost when there is
+no padding, and what a half-padded batch or packed documents save.
 
 For each shape (bf16, 16k tokens per batch, 16 heads, d = 128 by default) and causal or not, the
 forward and forward + backward (`jax.grad` of a loss on the output) of:
@@ -9,9 +9,14 @@ forward and forward + backward (`jax.grad` of a loss on the output) of:
   half       lengths seqlen / 2 on every row (half the tokens are padding: target <= 55% of
              `plain`, the tiles of padding being skipped);
   ragged     lengths spread evenly over [seqlen / 8, seqlen] (56% of the tokens real);
+  segments   `q_segment_ids = kv_segment_ids` all one id (packed rows holding one document each:
+             the overhead of segment ids, target <= 5%);
+  varlen     `flash_attention_varlen` over the batch's rows as packed sequences of equal length
+             (self-attention: the packed route, no gather; target <= 5%);
+  documents  four equal documents per row by segment ids (a quarter of the keys per query);
   cudnn      `jax.nn.dot_product_attention(..., implementation="cudnn")` with the same `half`
              lengths, as the peer a JAX user would otherwise call.
-Runs with JAX_FA3_PADDED_KERNELS=1 (set here). Off-GPU it times the pure-JAX path, saying so.
+Runs with JAX_FA3_MASKED_KERNELS=1 (set here). Off-GPU it times the pure-JAX path, saying so.
 
   python benchmarks/bench_padded.py [--seqlens 2048,8192] [--head-dim 128]
 """
@@ -21,7 +26,7 @@ import argparse
 import json
 import os
 
-os.environ.setdefault("JAX_FA3_PADDED_KERNELS", "1")
+os.environ.setdefault("JAX_FA3_MASKED_KERNELS", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -43,15 +48,30 @@ def _lengths(kind, b, s):
   return None
 
 
-def _call(kind, causal, lengths):
+def _segment_ids(kind, b, s):
+  if kind == "segments":
+    return jnp.ones((b, s), jnp.int32)
+  if kind == "documents":
+    return jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32) // max(1, s // 4), (b, s))
+  return None
+
+
+def _call(kind, causal, lengths, segment_ids=None):
   if kind == "cudnn":
     def attend(q, k, v):
       return jax.nn.dot_product_attention(q, k, v, is_causal=causal, query_seq_lengths=lengths,
                                           key_value_seq_lengths=lengths, implementation="cudnn")
+  elif kind == "varlen":
+    def attend(q, k, v):
+      b, s = q.shape[:2]
+      cu = jnp.arange(b + 1, dtype=jnp.int32) * s
+      packed = [x.reshape((b * s,) + x.shape[2:]) for x in (q, k, v)]
+      return jax_fa3.flash_attention_varlen(*packed, cu, cu, s, s, causal=causal).reshape(q.shape)
   else:
     def attend(q, k, v):
       return jax_fa3.flash_attention(q, k, v, causal=causal, query_seq_lengths=lengths,
-                                     key_value_seq_lengths=lengths)
+                                     key_value_seq_lengths=lengths, q_segment_ids=segment_ids,
+                                     kv_segment_ids=segment_ids)
 
   def loss(q, k, v):
     return jnp.sum(attend(q, k, v).astype(jnp.float32))
@@ -60,7 +80,8 @@ def _call(kind, causal, lengths):
 
 def run(seqlens, d, min_time):
   on_gpu = jax.default_backend() == "gpu"
-  kinds = ["plain", "full", "half", "ragged"] + (["cudnn"] if on_gpu else [])
+  kinds = (["plain", "full", "segments", "varlen", "half", "ragged", "documents"]
+           + (["cudnn"] if on_gpu else []))
   rows = []
   for s in seqlens:
     b = max(1, TOKENS // s)
@@ -69,9 +90,10 @@ def run(seqlens, d, min_time):
       base = {}
       for kind in kinds:
         lengths = _lengths("half" if kind == "cudnn" else kind, b, s)
+        segment_ids = _segment_ids(kind, b, s)
 
-        def measure(row, kind=kind, lengths=lengths):
-          fwd, grad = _call(kind, causal, lengths)
+        def measure(row, kind=kind, lengths=lengths, segment_ids=segment_ids):
+          fwd, grad = _call(kind, causal, lengths, segment_ids)
           row["fwd_ms"] = _bench.median_seconds(fwd, q, k, v, min_time=min_time) * 1e3
           row["fwd_bwd_ms"] = _bench.median_seconds(grad, q, k, v, min_time=min_time) * 1e3
           if kind == "plain":
@@ -112,7 +134,7 @@ def main():
   rows = run([int(x) for x in args.seqlens.split(",")], args.head_dim, args.min_time)
   with open(args.json, "w") as f:
     json.dump(dict(header=header, rows=rows), f, indent=1)
-  print(f"\n{header}\npadded batches, bf16, {TOKENS} tokens, {HEADS} heads, d={args.head_dim}\n"
+  print(f"\n{header}\npadded and packed batches, bf16, {TOKENS} tokens, {HEADS} heads, d={args.head_dim}\n"
         f"{table(rows)}")
 
 
