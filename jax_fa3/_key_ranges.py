@@ -22,30 +22,47 @@ def padded_rows(s_q: int) -> int:
 
 
 def _segment_runs(q_segment, kv_segment):
-  """For one batch row: the run of keys [lo, hi) holding query i's segment id (lo = hi = 0 when
-  no key has it), and whether every query's segment is one contiguous run of keys (else [lo, hi)
-  is only the run of its first key, and the caller must not use the ranges)."""
+  """For one batch row: the keys [lo, hi) from the first to the last key holding query i's
+  segment id (lo = hi = 0 when no key has it), and whether every query's segment is exactly
+  those keys, one contiguous run (else the caller must not use the ranges). Ids in [0, s_k), the
+  usual document numbers, take three scatters; others a sort."""
   s_k = kv_segment.shape[0]
   if s_k == 0:
     zeros = jnp.zeros(q_segment.shape, jnp.int32)
     return zeros, zeros, jnp.bool_(True)
+  small = jnp.all((kv_segment >= 0) & (kv_segment < s_k))
+  return jax.lax.cond(small, _runs_by_scatter, _runs_by_sort, q_segment, kv_segment)
+
+
+def _runs(first, last, count, found):
+  lo = jnp.where(found, first, 0).astype(jnp.int32)
+  hi = jnp.where(found, last, 0).astype(jnp.int32)
+  return lo, hi, jnp.all(~found | (count == hi - lo))
+
+
+def _runs_by_scatter(q_segment, kv_segment):
+  """_segment_runs for key ids in [0, s_k): per id its first key, last key + 1 and count."""
+  s_k = kv_segment.shape[0]
   key = jnp.arange(s_k, dtype=jnp.int32)
-  changes = kv_segment[1:] != kv_segment[:-1]
-  starts_run = jnp.concatenate([jnp.array([True]), changes])
-  ends_run = jnp.concatenate([changes, jnp.array([True])])
-  run_start = jax.lax.cummax(jnp.where(starts_run, key, 0))
-  run_end = jax.lax.cummin(jnp.where(ends_run, key + 1, s_k), reverse=True)
-  order = jnp.argsort(kv_segment, stable=True)
+  first = jnp.full((s_k,), s_k, jnp.int32).at[kv_segment].min(key)
+  last = jnp.zeros((s_k,), jnp.int32).at[kv_segment].max(key + 1)
+  count = jnp.zeros((s_k,), jnp.int32).at[kv_segment].add(1)
+  ids = jnp.clip(q_segment, 0, s_k - 1)
+  found = (q_segment >= 0) & (q_segment < s_k) & (count[ids] > 0)
+  return _runs(first[ids], last[ids], count[ids], found)
+
+
+def _runs_by_sort(q_segment, kv_segment):
+  """_segment_runs for any ids: the keys sorted by id (stably, so equal ids keep key order)."""
+  s_k = kv_segment.shape[0]
+  order = jnp.argsort(kv_segment, stable=True).astype(jnp.int32)
   sorted_ids = kv_segment[order]
-  first = jnp.searchsorted(sorted_ids, q_segment, side="left")
-  count = jnp.searchsorted(sorted_ids, q_segment, side="right") - first
-  at = jnp.minimum(first, s_k - 1)
+  start = jnp.searchsorted(sorted_ids, q_segment, side="left")
+  count = jnp.searchsorted(sorted_ids, q_segment, side="right") - start
   found = count > 0
-  first_key = order[at]  # the id's smallest key index (a stable sort)
-  lo = jnp.where(found, run_start[first_key], 0).astype(jnp.int32)
-  hi = jnp.where(found, run_end[first_key], 0).astype(jnp.int32)
-  contiguous = jnp.all(~found | (count == hi - lo))
-  return lo, hi, contiguous
+  first = order[jnp.minimum(start, s_k - 1)]
+  last = order[jnp.clip(start + count - 1, 0, s_k - 1)] + 1
+  return _runs(first, last, count, found)
 
 
 def row_ranges(masks, s_q: int, s_k: int, window_left: int, window_right: int):

@@ -75,6 +75,14 @@ def cases(seed: int = 0):
   k_ids = np.array([[2, 2, 3, 3, 3, 1, 1, 1, 1, 0]], np.int32)
   out.append(("unordered ids", (np.array([8], np.int32), np.array([10], np.int32),
                                 np.array([2], np.int32), q_ids, k_ids), 8, 10, -1, -1, True))
+  # Ids past the scatter path's range [0, s_k) (negative, large): the sort path.
+  big = np.array([[-7, -7, 1 << 30, 1 << 30, 1 << 30, 5, 5, 5]], np.int32)
+  out.append(("large ids", (np.array([8], np.int32), np.array([8], np.int32),
+                            np.array([0], np.int32), big, big), 8, 8, -1, 0, True))
+  big_split = np.array([[-7, 1 << 30, -7, 5]], np.int32)
+  out.append(("large ids split", (np.array([4], np.int32), np.array([4], np.int32),
+                                  np.array([0], np.int32), big_split, big_split), 4, 4, -1, -1,
+              False))
   # Not contiguous: a key segment split in two.
   split = np.array([[1, 2, 1, 2, 2, 1]], np.int32)
   out.append(("split segment", (np.array([6], np.int32), np.array([6], np.int32),

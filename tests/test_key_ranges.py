@@ -50,3 +50,18 @@ def test_covers_bound_every_granule(case):
       rows = min(64, max(s_q - 64 * g, 0))
       inside = (keys >= full_lo[r, g]) & (keys < full_hi[r, g])
       assert sees[r, g, :rows][:, inside].all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_scatter_and_sort_paths_agree(seed):
+  # Ids in [0, s_k) take the scatter path; the sort path must give the same intervals and the
+  # same verdict on them (runs, interleaved ids, ids only the queries or only the keys hold).
+  rng = np.random.default_rng(seed)
+  s_k = 40
+  runs = np.repeat(rng.permutation(8)[:5], rng.multinomial(s_k - 5, [0.2] * 5) + 1)[:s_k]
+  kv = runs if seed % 2 else rng.integers(0, 6, s_k)
+  q = rng.integers(0, 9, 33)
+  scatter = _key_ranges._runs_by_scatter(np.int32(q), np.int32(kv))
+  by_sort = _key_ranges._runs_by_sort(np.int32(q), np.int32(kv))
+  for a, b in zip(scatter, by_sort):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
