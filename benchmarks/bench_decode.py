@@ -3,7 +3,8 @@
 One new query token per row (s_q = 1), d = 128, 32 query heads over 4 kv heads (GQA 8:1), bf16,
 every row's cache full to the given length. Peers, same shapes, same cache:
 `jax_fa3` (`flash_attention_with_kvcache`, attend only, split-KV as it chooses),
-`jax_fa3_unsplit` (the same with `num_splits=1`), `jax_fa3_append` (the same call also
+`jax_fa3_unsplit` (the same with `num_splits=1`), `jax_fa3_paged` (the same cache as a pool of
+256-key pages with a page table, read in place), `jax_fa3_append` (the same call also
 appending the token's k/v, caches donated), `cudnn` / `xla` (`jax.nn.dot_product_attention` with
 `key_value_seq_lengths`). Bandwidth counts the K and V bytes a call must read (batch · length ·
 kv_heads · d · 2 tensors · 2 bytes) over its time; `copy` is the measured device copy bandwidth
@@ -24,6 +25,7 @@ import jax_fa3
 from jax_fa3 import _bench
 
 HEADS, KV_HEADS, D = 32, 4, 128
+PAGE = 256  # keys per page of the paged peer (a multiple of the d = 128 kernel's key block)
 
 
 def copy_bandwidth(min_time) -> float:
@@ -42,6 +44,15 @@ def _peers():
     return jax_fa3.flash_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
                                                 num_splits=1)
 
+  def ours_paged(q, k_cache, v_cache, lengths):
+    b, s = k_cache.shape[:2]
+    pages = -(-s // PAGE)
+    pad = ((0, 0), (0, pages * PAGE - s), (0, 0), (0, 0))
+    pool = lambda c: jnp.pad(c, pad).reshape((b * pages, PAGE) + c.shape[2:])
+    table = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
+    return jax_fa3.flash_attention_with_kvcache(q, pool(k_cache), pool(v_cache),
+                                                cache_seqlens=lengths, page_table=table)
+
   def ours_append(q, k_cache, v_cache, lengths, k_new, v_new):
     return jax_fa3.flash_attention_with_kvcache(q, k_cache, v_cache, k_new, v_new,
                                                 cache_seqlens=lengths - 1)
@@ -54,6 +65,7 @@ def _peers():
 
   peers = {"jax_fa3": (jax.jit(ours), False),
            "jax_fa3_unsplit": (jax.jit(ours_unsplit), False),
+           "jax_fa3_paged": (jax.jit(ours_paged), False),
            "jax_fa3_append": (jax.jit(ours_append, donate_argnums=(1, 2)), True),
            "xla": (jax.jit(dpa("xla")), False)}
   if jax.default_backend() == "gpu":

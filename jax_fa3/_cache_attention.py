@@ -9,11 +9,17 @@ hold on every path: the reference computes the same split and merge as the kerne
   group's query heads become `group` query rows of one head, so one tile reads each K/V block
   once for the whole group instead of once per query head.
 - Split-KV (no left window, right window 0 or none: each split's mask is then exact): the cache
-  axis is cut into `num_splits` equal pieces (a free reshape of a contiguous cache), the queries
-  repeated per piece, each piece attended as its own batch row with its own length and diagonal,
-  and the pieces merged: out = sum_i w_i out_i, w_i = exp(lse_i - lse), lse = logsumexp_i lse_i.
+  axis is cut into `num_splits` equal pieces (a free reshape of a contiguous cache, or of a paged
+  cache's page table), the queries repeated per piece, each piece attended as its own batch row
+  with its own length and diagonal, and the pieces merged: out = sum_i w_i out_i,
+  w_i = exp(lse_i - lse), lse = logsumexp_i lse_i.
+- Paged caches (`Pages`) whose page size is a multiple of the forward kernel's key block are read
+  in place by the paged kernel (`_local_attention.forward_paged`): each K/V block is fetched
+  from its page, nothing is gathered.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,11 +40,25 @@ def _sm_count() -> int:
   return int(getattr(device, "core_count", 0) or 132)
 
 
+class Pages(NamedTuple):
+  """A paged KV cache read in place: pools (num_pages, page_size, h_k, d) and the batch rows'
+  page tables int32 (b, pages_per_seq); row r's slot p is row p % page_size of page
+  table[r, p // page_size]."""
+  k_pool: jax.Array
+  v_pool: jax.Array
+  table: jax.Array
+
+  @property
+  def page_size(self) -> int:
+    return self.k_pool.shape[1]
+
+
 def num_splits(requested: int, b: int, rows: int, heads: int, capacity: int,
-               cfg: AttentionConfig, on_kernels: bool) -> int:
+               cfg: AttentionConfig, on_kernels: bool, unit: int = 1) -> int:
   """How many pieces to cut each row's keys into: `requested`, or with 0 enough tiles to fill
-  the GPU (kernels only; 1 elsewhere), rounded down to a divisor of `capacity` (the pieces are a
-  reshape); 1 where a split mask would not be exact (a left window, a right window > 0)."""
+  the GPU (kernels only; 1 elsewhere), rounded down to a divisor of `capacity / unit` (the pieces
+  are a reshape; a paged cache splits whole pages, `unit` keys each); 1 where a split mask would
+  not be exact (a left window, a right window > 0)."""
   if cfg.window_left >= 0 or cfg.window_right > 0 or capacity < 2:
     return 1
   if requested == 0:
@@ -46,8 +66,9 @@ def num_splits(requested: int, b: int, rows: int, heads: int, capacity: int,
       return 1
     tiles = b * heads * -(-rows // _QUERY_ROWS_PER_TILE)
     requested = max(1, min(TILES_PER_SM * _sm_count() // tiles, capacity // MIN_KEYS_PER_SPLIT))
-  n = max(1, min(requested, capacity))
-  while capacity % n:
+  units = capacity // unit
+  n = max(1, min(requested, units))
+  while units % n:
     n -= 1
   return n
 
@@ -70,13 +91,27 @@ def _merge(out, lse, b, n):
   return (weight * out).sum(axis=1), merged_lse
 
 
+def _attend_rows(q, keys, values, masks, cfg: AttentionConfig, return_lse: bool):
+  """Padded-batch attention of q's rows over contiguous keys / values, or over `keys`, a `Pages`
+  (values None), on the paged kernel."""
+  if isinstance(keys, Pages):
+    out, lse = _local_attention.forward_paged(q, keys.k_pool, keys.v_pool, keys.table, masks, cfg)
+    return (out, lse) if return_lse else out
+  return masked_attention(q, keys, values, masks, cfg, return_lse)
+
+
 def attend(q, keys, values, lengths, cfg: AttentionConfig, return_lse: bool,
            requested_splits: int):
   """out (b, s_q, h, d) in q's dtype (and the float32 lse (b, h, s_q) with return_lse) of q
-  against keys / values (b, capacity, h_k, d), row r's first lengths[r] slots being its keys and
-  query i's mask centred on key i + lengths[r] - s_q."""
+  against keys / values (b, capacity, h_k, d), or against `keys`, a `Pages` read in place on the
+  kernel (values None), row r's first lengths[r] slots being its keys and query i's mask centred
+  on key i + lengths[r] - s_q."""
   b, s_q, h, d = q.shape
-  capacity, h_k = keys.shape[1], keys.shape[2]
+  paged = isinstance(keys, Pages)
+  if paged:
+    capacity, h_k, unit = keys.table.shape[1] * keys.page_size, keys.k_pool.shape[2], keys.page_size
+  else:
+    capacity, h_k, unit = keys.shape[1], keys.shape[2], 1
   group = h // h_k
   diagonal = lengths - s_q
   packed = s_q == 1 and group > 1 and cfg.window_left < 0
@@ -86,12 +121,15 @@ def attend(q, keys, values, lengths, cfg: AttentionConfig, return_lse: bool,
     q = jnp.swapaxes(q.reshape(b, h_k, group, d), 1, 2)
   rows, heads = q.shape[1], q.shape[2]
   on_kernels = _local_attention.masked_kernels_would_run(q)
-  n = num_splits(requested_splits, b, rows, heads, capacity, cfg, on_kernels)
+  n = num_splits(requested_splits, b, rows, heads, capacity, cfg, on_kernels or paged, unit)
   if n > 1:
     chunk = capacity // n
     first = jnp.arange(n, dtype=jnp.int32) * chunk  # each piece's first slot
-    keys = keys.reshape((b * n, chunk) + keys.shape[2:])
-    values = values.reshape((b * n, chunk) + values.shape[2:])
+    if paged:
+      keys = keys._replace(table=keys.table.reshape(b * n, -1))
+    else:
+      keys = keys.reshape((b * n, chunk) + keys.shape[2:])
+      values = values.reshape((b * n, chunk) + values.shape[2:])
     q = jnp.repeat(q, n, axis=0)
     k_len = jnp.clip(lengths[:, None] - first, 0, chunk).reshape(-1)
     # Pieces past the queries' reach are empty under a causal mask (their keys all lie right of
@@ -99,12 +137,12 @@ def attend(q, keys, values, lengths, cfg: AttentionConfig, return_lse: bool,
     # changing what an unbounded or causal window admits.
     piece_diagonal = jnp.clip(diagonal[:, None] - first, -rows, chunk).reshape(-1)
     masks = (jnp.full((b * n,), rows, jnp.int32), k_len, piece_diagonal)
-    out, lse = masked_attention(q, keys, values, masks, cfg, True)
+    out, lse = _attend_rows(q, keys, values, masks, cfg, True)
     out, lse = _merge(out, lse, b, n)
     out = out.astype(q.dtype)
   else:
     masks = (jnp.full((b,), rows, jnp.int32), lengths, diagonal)
-    result = masked_attention(q, keys, values, masks, cfg, return_lse)
+    result = _attend_rows(q, keys, values, masks, cfg, return_lse)
     out, lse = result if return_lse else (result, None)
   if packed:
     out = jnp.swapaxes(out, 1, 2).reshape(b, 1, h, d)

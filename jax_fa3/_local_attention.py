@@ -215,3 +215,61 @@ def backward_local_masked(q, k, v, out, lse, dout, *masks_and_cfg, dlse=None):
   _ffi.check_kernel_sizes(q.shape, k.shape)
   cuda = _on_key_ranges(_backward_kernel(cfg), ref, cfg, 6)
   return jax.lax.platform_dependent(q, k, v, out, lse, dout, *masks, cuda=cuda, default=ref)
+
+
+# A paged KV cache read in place (forward only): the key-range kernel fetches each K/V block from
+# its page, which needs the page size to be a multiple of the kernel's key block (one TMA box per
+# block). FORWARD_KEY_BLOCK copies cuda/common/buckets.h's forward_key_block (tests/
+# test_cuda_layouts.py holds the two equal).
+PAGED_TARGET = "jax_fa3_flash_fwd_paged"
+FORWARD_KEY_BLOCK = {64: 160, 96: 144, 128: 128, 192: 112, 256: 80}
+
+
+def paged_in_place(q, page_size: int) -> bool:
+  """Whether a paged cache with pages of `page_size` keys is read in place on the kernel for q
+  (nothing announced)."""
+  return (masked_kernels_would_run(q) and _ffi.has_target(PAGED_TARGET)
+          and page_size % FORWARD_KEY_BLOCK[head_dim_bucket(q.shape[-1])] == 0)
+
+
+def _gather_pages(pool, table):
+  """(b, pages_per_seq * page_size, h_k, d): each row's pages in order (indices clamped)."""
+  b, pages = table.shape
+  rows = jnp.clip(table.astype(jnp.int32), 0, pool.shape[0] - 1)
+  return pool[rows].reshape((b, pages * pool.shape[1]) + pool.shape[2:])
+
+
+def forward_paged(q, k_pool, v_pool, table, masks, cfg: AttentionConfig):
+  """(out, lse) of q over a paged cache: pools (num_pages, page_size, h_k, d), table int32
+  (b, pages_per_seq), masks (q_lengths, kv_lengths, diagonals) over the rows' logical keys. On
+  the paged kernel (callers checked `paged_in_place`); a computation lowered elsewhere gathers
+  the pages and runs the reference. Forward only; not partitioned (a sharded cache is gathered
+  by XLA onto each device)."""
+  s_k = table.shape[1] * k_pool.shape[1]
+
+  def ref(q, k_pool, v_pool, table, *masks):
+    keys, values = _gather_pages(k_pool, table), _gather_pages(v_pool, table)
+    return reference.attention_forward(q, keys, values, masks=masks, **cfg.kwargs())
+
+  def paged_call(q, k_pool, v_pool, ranges, covers, table):
+    b, s_q, h, _ = q.shape
+    result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                    jax.ShapeDtypeStruct((b, h, s_q), jnp.float32))
+    return _ffi.call(PAGED_TARGET, result_types, q, k_pool, v_pool, ranges, covers,
+                     table.astype(jnp.int32), **_window_attrs(cfg))
+
+  def gathered_call(q, k_pool, v_pool, ranges, covers, table):
+    # vmap over the pools themselves: each lane's pages gathered, on the key-range kernel.
+    keys, values = _gather_pages(k_pool, table), _gather_pages(v_pool, table)
+    return _forward_kernel(cfg)(q, keys, values, ranges, covers)
+
+  batched = fold_vmap_into_batch(paged_call, has_batch=(True, False, False, True, True, True),
+                                 unfolded=gathered_call)
+
+  def kernel(q, k_pool, v_pool, table, *masks):
+    lo, hi, _ = _key_ranges.row_ranges(masks, q.shape[1], s_k, cfg.window_left, cfg.window_right)
+    ranges, covers = _key_ranges.kernel_operands(lo, hi, s_k)
+    return batched(q, k_pool, v_pool, ranges, covers, table)
+
+  _ffi.check_kernel_sizes(q.shape, (q.shape[0], s_k) + k_pool.shape[2:])
+  return jax.lax.platform_dependent(q, k_pool, v_pool, table, *masks, cuda=kernel, default=ref)

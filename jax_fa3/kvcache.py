@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fa3 import _cache_attention, _fp8_quantize
+from jax_fa3 import _cache_attention, _fp8_quantize, _local_attention
 from jax_fa3.fp8 import check_block_size, check_quantized, is_pair
 from jax_fa3._config import DEFAULT_BLOCK_SIZE
 from jax_fa3._validation import (attention_config, check_array, check_attention_dtypes,
@@ -156,10 +156,12 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
 
   Forward only (no gradient). A contiguous bf16/fp16 cache is attended in place, on the kernels'
   key-range variants when JAX_FA3_MASKED_KERNELS=1 (experimental), else on the pure-JAX
-  path; paged, row-indexed (cache_batch_idx) and FP8 caches are gathered first (a copy per
-  call; no kernel reads pages yet). When decoding (one query per row) the query heads of a kv
-  head share one query tile, and the split and merge are reshapes around the same kernels
-  (`jax_fa3._cache_attention`).
+  path. With the same variable, paged and row-indexed (cache_batch_idx) bf16/fp16 caches are
+  read in place by the paged kernel when the page size (for cache_batch_idx: the capacity) is a
+  multiple of its key block (`jax_fa3._local_attention.FORWARD_KEY_BLOCK`: 128 keys at d = 128);
+  otherwise, and for FP8 caches, they are gathered first (a copy per call). When decoding (one
+  query per row) the query heads of a kv head share one query tile, and the split and merge are
+  reshapes around the same kernels (`jax_fa3._cache_attention`).
   """
   check_array("q", q, rank=4)
   fp8 = is_pair(k_cache) or is_pair(v_cache)
@@ -214,9 +216,18 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     v_cache = _append(v_cache, v, first, slots)
   length = jnp.clip(first + s_new, 0, capacity)
 
-  if page_table is None and cache_batch_idx is None and not fp8:
+  # A logical view of the cache for validation: (b, capacity, h_k, d) in the cache's dtype.
+  logical = jax.ShapeDtypeStruct((b, capacity) + k_cache.shape[2:], q.dtype)
+  # Row r's pages: the page table, or with cache_batch_idx one page of the whole capacity.
+  table = page_table if page_table is not None else (
+      None if cache_batch_idx is None else cache_batch_idx.astype(jnp.int32)[:, None])
+  page_size = k_cache.shape[1]
+  if table is None and not fp8:
     # Batch row r is cache row r, its keys in logical order: attended in place.
     keys, values = k_cache, v_cache
+  elif not fp8 and _local_attention.paged_in_place(q, page_size):
+    # Pages read in place by the paged kernel (page_size a multiple of its key block).
+    keys, values = _cache_attention.Pages(k_cache, v_cache, table.astype(jnp.int32)), None
   else:
     # Each row's logical slots gathered into a (batch, capacity) row.
     rows, positions = slots
@@ -230,10 +241,11 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
       keys, values = gather(stored_k), gather(stored_v)
     else:
       keys, values = k_cache[rows, positions], v_cache[rows, positions]
-  cfg = attention_config(q, keys, values, softmax_scale=softmax_scale, causal=causal,
+  cfg = attention_config(q, logical, logical, softmax_scale=softmax_scale, causal=causal,
                          window_size=window_size, softcap=softcap, deterministic=False)
-  result = _cache_attention.attend(q, jax.lax.stop_gradient(keys), jax.lax.stop_gradient(values),
-                                   length, cfg, bool(return_lse), int(num_splits))
+  keys, values = jax.lax.stop_gradient((keys, values))
+  result = _cache_attention.attend(q, keys, values, length, cfg, bool(return_lse),
+                                   int(num_splits))
   if k is None:
     return result
   if fp8:

@@ -22,11 +22,12 @@ FLASH_FWD = "jax_fa3_flash_fwd"
 FLASH_BWD = "jax_fa3_flash_bwd"
 FLASH_FWD_KEY_RANGES = "jax_fa3_flash_fwd_key_ranges"  # lengths, segments: a key range per query
 FLASH_BWD_KEY_RANGES = "jax_fa3_flash_bwd_key_ranges"
+FLASH_FWD_PAGED = "jax_fa3_flash_fwd_paged"  # key ranges over a paged KV cache read in place
 FLASH_FWD_FP8 = "jax_fa3_flash_fwd_fp8"
 ROTATE_QUANTIZE_FP8 = "jax_fa3_rotate_quantize_fp8"
 HADAMARD = "jax_fa3_hadamard"
 # Every target the extension registers; a test naming any other target is itself wrong.
-KNOWN_TARGETS = frozenset({FLASH_FWD, FLASH_BWD, FLASH_FWD_KEY_RANGES, FLASH_BWD_KEY_RANGES,
+KNOWN_TARGETS = frozenset({FLASH_FWD, FLASH_BWD, FLASH_FWD_KEY_RANGES, FLASH_BWD_KEY_RANGES, FLASH_FWD_PAGED,
                            FLASH_FWD_FP8, ROTATE_QUANTIZE_FP8, HADAMARD})
 
 # StableHLO: `stablehlo.custom_call @name(`; compiled HLO: `custom_call_target="name"`.

@@ -122,3 +122,16 @@ def test_key_range_block_logic_on_python_covers(tmp_path):
   data.write_text(f"{len(chosen)}\n" + "\n".join(lines) + "\n")
   out = _run_checked(exe, data)
   assert out.rstrip().endswith(": ok") and out.startswith(f"{len(chosen)} cases"), out
+
+
+def test_python_knows_the_forward_key_blocks(tmp_path):
+  """jax_fa3._local_attention.FORWARD_KEY_BLOCK (which page sizes the paged kernel reads in
+  place) copies cuda/common/buckets.h's forward_key_block, which sizes the kernels' K/V tiles."""
+  from jax_fa3 import _local_attention  # noqa: PLC0415
+  source = tmp_path / "key_blocks.cc"
+  source.write_text('#include <cstdio>\n#include "common/buckets.h"\nint main() {\n'
+                    '  for (int bucket : jax_fa3::kHeadDimBuckets)\n'
+                    '    std::printf("%d %d\\n", bucket, jax_fa3::forward_key_block(bucket));\n}\n')
+  exe = _compile(tmp_path, source, "key_blocks", ["-x", "cu"], with_cute=False)
+  printed = dict(tuple(map(int, line.split())) for line in _run_checked(exe).splitlines())
+  assert printed == _local_attention.FORWARD_KEY_BLOCK

@@ -26,7 +26,7 @@ from jax_fa3 import _local_attention
 from ffi_probe import ffi_error_message
 from kernel_build import skip_unless_compiled
 from kernel_targets import (FLASH_BWD, FLASH_BWD_KEY_RANGES, FLASH_FWD, FLASH_FWD_KEY_RANGES,
-                            run_on_kernels)
+                            FLASH_FWD_PAGED, compiled_text, kernel_targets, run_on_kernels)
 from oracle import attention_oracle, attention_oracle_grads, padding_mask
 
 pytestmark = pytest.mark.gpu
@@ -214,6 +214,96 @@ def test_kv_cache_decode_reads_the_cache_in_place_on_the_masked_kernel():
     want = jax.jit(lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=True))(
         q[r:r + 1], k_cache[r:r + 1, :n], v_cache[r:r + 1, :n])
     np.testing.assert_array_equal(_bits(out[r:r + 1]), _bits(np.asarray(want)), f"row {r}")
+
+
+def _shuffled_pages(cache, page_size, seed, spare=3):
+  """The logical cache (b, capacity, h_k, d) as a shuffled pool of pages with its page table."""
+  b, capacity = cache.shape[:2]
+  per_row = capacity // page_size
+  rng = np.random.default_rng(seed)
+  num_pages = b * per_row + spare
+  table = rng.permutation(num_pages)[:b * per_row].reshape(b, per_row).astype(np.int32)
+  pool = np.asarray(_normal(seed, (num_pages, page_size) + cache.shape[2:]))
+  pages = np.asarray(cache).reshape((b * per_row, page_size) + cache.shape[2:])
+  pool[table.reshape(-1)] = pages
+  return jnp.asarray(pool), jnp.asarray(table)
+
+
+@pytest.mark.parametrize("page_size", [128, 256])
+@pytest.mark.parametrize("s_q,splits", [(1, 1), (1, 4), (4, 1)])
+def test_paged_cache_is_read_in_place_bit_for_bit(page_size, s_q, splits):
+  # d = 128: the key block is 128 keys, so pages of 128 and 256 are read in place by the paged
+  # kernel (the same K/V blocks as the contiguous call, fetched from their pages): out and lse
+  # equal the contiguous cache's bit for bit.
+  b, cap, h, h_k, d = 3, 1024, 8, 2, 128
+  k_cache, v_cache = _normal(60, (b, cap, h_k, d)), _normal(61, (b, cap, h_k, d))
+  q = _normal(62, (b, s_q, h, d))
+  skip_unless_compiled(q)
+  lengths = jnp.asarray([1, 1000, 517], jnp.int32)
+  (k_pool, table), (v_pool, _) = (_shuffled_pages(k_cache, page_size, 63),
+                                  _shuffled_pages(v_cache, page_size, 63))
+
+  def call(**layout):
+    return jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
+        q, kc, vc, cache_seqlens=lengths, causal=True, num_splits=splits, return_lse=True,
+        **layout))
+
+  want_out, want_lse = run_on_kernels(call(), q, k_cache, v_cache, expected={FLASH_FWD_KEY_RANGES})
+  paged = call(page_table=table)
+  got_out, got_lse = run_on_kernels(paged, q, k_pool, v_pool, expected={FLASH_FWD_PAGED})
+  assert FLASH_FWD_KEY_RANGES not in kernel_targets(compiled_text(paged, q, k_pool, v_pool))
+  np.testing.assert_array_equal(_bits(got_out), _bits(want_out))
+  np.testing.assert_array_equal(np.asarray(got_lse), np.asarray(want_lse))
+
+
+def test_cache_batch_idx_rows_are_read_in_place_bit_for_bit():
+  # Picked rows of a contiguous cache: one page of the whole capacity each (1024, a multiple of
+  # the key block), read in place.
+  b, cap, h, h_k, d = 3, 1024, 8, 2, 128
+  k_cache, v_cache = _normal(70, (5, cap, h_k, d)), _normal(71, (5, cap, h_k, d))
+  q = _normal(72, (b, 1, h, d))
+  skip_unless_compiled(q)
+  rows = jnp.asarray([4, 0, 2], jnp.int32)
+  lengths = jnp.asarray([1000, 3, 640], jnp.int32)
+  picked = jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
+      q, kc, vc, cache_seqlens=lengths, cache_batch_idx=rows, causal=True, num_splits=1))
+  got = run_on_kernels(picked, q, k_cache, v_cache, expected={FLASH_FWD_PAGED})
+  want = run_on_kernels(
+      jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
+          q, kc, vc, cache_seqlens=lengths, causal=True, num_splits=1)),
+      q, k_cache[rows], v_cache[rows], expected={FLASH_FWD_KEY_RANGES})
+  np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_pages_smaller_than_the_key_block_are_gathered():
+  b, cap, h, h_k, d = 2, 512, 4, 4, 128
+  k_cache, v_cache = _normal(80, (b, cap, h_k, d)), _normal(81, (b, cap, h_k, d))
+  q = _normal(82, (b, 1, h, d))
+  skip_unless_compiled(q)
+  (k_pool, table), (v_pool, _) = _shuffled_pages(k_cache, 64, 83), _shuffled_pages(v_cache, 64, 83)
+  lengths = jnp.asarray([512, 100], jnp.int32)
+  call = jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
+      q, kc, vc, cache_seqlens=lengths, page_table=table, num_splits=1))
+  got = run_on_kernels(call, q, k_pool, v_pool, expected={FLASH_FWD_KEY_RANGES})
+  assert FLASH_FWD_PAGED not in kernel_targets(compiled_text(call, q, k_pool, v_pool))
+  want = jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
+      q, kc, vc, cache_seqlens=lengths, num_splits=1))(q, k_cache, v_cache)
+  np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_paged_handler_rejects_a_page_size_the_kernel_cannot_read():
+  # d = 128 reads pages of multiples of 128 keys: 64 is refused by name.
+  message = ffi_error_message("""
+    q = jnp.ones((2, 1, 4, 128), jnp.bfloat16)
+    pool = jnp.ones((6, 64, 4, 128), jnp.bfloat16)
+    call = jax.ffi.ffi_call("jax_fa3_flash_fwd_paged", (
+        jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((2, 4, 1), jnp.float32)))
+    result = lambda: call(q, pool, pool, jnp.zeros((2, 128, 2), jnp.int32),
+                          jnp.zeros((2, 2, 4), jnp.int32), jnp.zeros((2, 3), jnp.int32),
+                          softmax_scale=np.float32(0.125), softcap=np.float32(0),
+                          window_left=np.int32(-1), window_right=np.int32(0))
+  """)
+  assert "page_size" in message and "128" in message, message
 
 
 def test_nan_in_padded_queries_and_keys_stays_out_of_real_rows():

@@ -83,6 +83,29 @@ def _unpage(pool, table):
 # (a divisor of the capacity, 24); both merge by lse. 0 is 1 off the kernels.
 @pytest.mark.parametrize("num_splits", [0, 3, 5])
 def test_matches_oracle(s_q, s_new, causal, window, paged, num_splits):
+  _check_against_oracle(s_q, s_new, causal, window, paged, num_splits)
+
+
+@pytest.mark.parametrize("s_q,s_new,causal,window", [
+    (1, 1, False, (-1, -1)), (3, 3, True, (-1, -1)), (2, 5, False, (4, 0))])
+@pytest.mark.parametrize("num_splits", [1, 3, 5])
+def test_pages_read_in_place_match_the_oracle(s_q, s_new, causal, window, num_splits,
+                                              monkeypatch):
+  # The route that reads pages in place on the kernel (_cache_attention.Pages) when the page size
+  # suits it, forced here: off the GPU, forward_paged gathers the pages and runs the reference.
+  # Splits cut whole pages (5 becomes 3, a divisor of the 6 pages).
+  from jax_fa3 import _local_attention  # noqa: PLC0415
+  monkeypatch.setattr(_local_attention, "paged_in_place", lambda q, page_size: True)
+  calls = []
+  paged = _local_attention.forward_paged
+  monkeypatch.setattr(_local_attention, "forward_paged",
+                      lambda *a, **kw: calls.append(a[3].shape) or paged(*a, **kw))
+  _check_against_oracle(s_q, s_new, causal, window, True, num_splits)
+  want_splits = 1 if window[0] >= 0 or num_splits == 1 else 3
+  assert calls == [(B * want_splits, CAPACITY // PAGE // want_splits)], calls
+
+
+def _check_against_oracle(s_q, s_new, causal, window, paged, num_splits):
   q, k_cache, v_cache, k, v = _case(s_q * 10 + s_new, s_q, s_new)
   want_k, want_v = _appended(k_cache, k, LENGTHS), _appended(v_cache, v, LENGTHS)
   options = dict(causal=causal, window_size=window, num_splits=num_splits)
@@ -105,7 +128,13 @@ def test_matches_oracle(s_q, s_new, causal, window, paged, num_splits):
   np.testing.assert_allclose(np.asarray(lse)[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
 
 
-def test_cache_batch_idx_picks_rows():
+@pytest.mark.parametrize("in_place", [False, True])
+def test_cache_batch_idx_picks_rows(in_place, monkeypatch):
+  # in_place: the route that reads the picked rows in place on the kernel as one page each
+  # (forced here; off the GPU the pages are gathered inside forward_paged).
+  if in_place:
+    from jax_fa3 import _local_attention  # noqa: PLC0415
+    monkeypatch.setattr(_local_attention, "paged_in_place", lambda q, page_size: True)
   q, k_cache, v_cache, k, v = _case(5, 1, 1)
   order = jnp.array([2, 0, 3, 1], jnp.int32)
   out, new_k, _ = jax_fa3.flash_attention_with_kvcache(q, k_cache, v_cache, k, v,

@@ -18,6 +18,13 @@ inline int head_dim_bucket(int d) {
   return 0;
 }
 
+// Keys per K/V block of the bf16/fp16 forward kernels of a bucket (flash_fwd/kernel_traits.h,
+// BlockN: chosen per bucket for the register and shared-memory budgets). A paged KV cache is read
+// in place when its page size is a multiple of it (one TMA box never straddles two pages).
+constexpr int forward_key_block(int bucket) {
+  return bucket == 64 ? 160 : bucket == 96 ? 144 : bucket == 128 ? 128 : bucket == 192 ? 112 : 80;
+}
+
 // Whether the bf16/fp16 kernels of this bucket and dtype are in this build.
 inline bool kernel_compiled(int bucket, DType dtype) {
   bool dtype_ok = false;

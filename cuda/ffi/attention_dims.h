@@ -23,6 +23,31 @@ constexpr int64_t kMaxSeqLen = int64_t(1) << 29;
 // tiles of at least 64 rows; up to twice as many work items with the fp8 tail split).
 constexpr int64_t kMaxQueryTiles = int64_t(1) << 29;
 
+// Whole GQA groups and sizes within the limits above; shapes() names the arrays in a message
+// (called on a failure only: no string is built on the way to a launch).
+template <class Shapes>
+ffi::Error check_attention_sizes(const char* op, const AttentionDims& a, Shapes&& shapes) {
+  if (a.h_k < 1 || a.h % a.h_k != 0) {
+    return invalid(op, ": q heads must be a multiple of k/v heads (GQA), got h=", a.h, ", h_k=",
+                   a.h_k);
+  }
+  constexpr int64_t kMaxInt = INT32_MAX;
+  if (a.b > kMaxInt || a.h > kMaxInt || a.h_k > kMaxInt) {
+    return invalid(op, ": b, h and h_k must fit in int32, got ", shapes());
+  }
+  if (a.s_q > kMaxSeqLen || a.s_k > kMaxSeqLen) {
+    return invalid(op, ": sequence lengths must be at most 2^29 = ", kMaxSeqLen, ", got s_q=",
+                   a.s_q, ", s_k=", a.s_k);
+  }
+  const int64_t tiles = (a.s_q + 63) / 64;
+  if (tiles > 0 && a.h > 0 &&
+      (a.h > kMaxQueryTiles / tiles || a.b > kMaxQueryTiles / (tiles * a.h))) {
+    return invalid(op, ": ceil(s_q / 64) * h * b must be at most 2^29 (query tiles, counted in "
+                   "int32), got ", shapes());
+  }
+  return ffi::Error::Success();
+}
+
 // q and k: rank 4, k's batch and head dim equal to q's, whole GQA groups, and sizes within the
 // limits above. v, out and the rest are checked by each handler against the returned sizes.
 inline ffi::Error read_attention_dims(const char* op, const ffi::AnyBuffer& q,
@@ -33,26 +58,8 @@ inline ffi::Error read_attention_dims(const char* op, const ffi::AnyBuffer& q,
   JAX_FA3_RETURN_IF_FFI_ERROR(check_shape(op, "k", "shape (b, s_k, h_k, d) with q's b and d =", kd,
                                           {qd[0], kAnyDim, kAnyDim, qd[3]}));
   a = {qd[0], qd[1], kd[1], qd[2], kd[2], qd[3]};
-  if (a.h_k < 1 || a.h % a.h_k != 0) {
-    return invalid(op, ": q heads must be a multiple of k/v heads (GQA), got h=", a.h, ", h_k=",
-                   a.h_k);
-  }
-  constexpr int64_t kMaxInt = INT32_MAX;
-  if (a.b > kMaxInt || a.h > kMaxInt || a.h_k > kMaxInt) {
-    return invalid(op, ": b, h and h_k must fit in int32, got q ", shape_str(qd), " and k ",
-                   shape_str(kd));
-  }
-  if (a.s_q > kMaxSeqLen || a.s_k > kMaxSeqLen) {
-    return invalid(op, ": sequence lengths must be at most 2^29 = ", kMaxSeqLen, ", got s_q=",
-                   a.s_q, ", s_k=", a.s_k);
-  }
-  const int64_t tiles = (a.s_q + 63) / 64;
-  if (tiles > 0 && a.h > 0 &&
-      (a.h > kMaxQueryTiles / tiles || a.b > kMaxQueryTiles / (tiles * a.h))) {
-    return invalid(op, ": ceil(s_q / 64) * h * b must be at most 2^29 (query tiles, counted in "
-                   "int32), got q ", shape_str(qd));
-  }
-  return ffi::Error::Success();
+  return check_attention_sizes(
+      op, a, [&] { return "q " + shape_str(qd) + " and k " + shape_str(kd); });
 }
 
 // The bf16/fp16 kernels' head dims.

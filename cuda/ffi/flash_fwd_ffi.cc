@@ -1,4 +1,6 @@
-// XLA FFI handler for the FlashAttention-3 forward kernel (target "jax_fa3_flash_fwd").
+// XLA FFI handlers of the FlashAttention-3 forward kernels: "jax_fa3_flash_fwd" (whole rows),
+// "jax_fa3_flash_fwd_key_ranges" (a key range per query) and "jax_fa3_flash_fwd_paged" (key
+// ranges over a paged KV cache read in place).
 // Validates every argument again (Python already did) and dispatches to the compiled bucket.
 #include <cstdint>
 #include <utility>
@@ -13,6 +15,43 @@ namespace {
 
 namespace ffi = xla::ffi;
 using ffi_util::invalid;
+using ffi_util::shape_str;
+
+// The kernels of d's bucket and dtype are in this build.
+ffi::Error check_compiled(const char* op, int64_t d, DType dtype) {
+  const int bucket = head_dim_bucket(static_cast<int>(d));
+  if (kernel_compiled(bucket, dtype)) return ffi::Error::Success();
+  return invalid(op, ": no kernel compiled for head-dim bucket ", bucket, " (head dim ", d,
+                 ") and dtype ", dtype_name(dtype),
+                 "; rebuild with it in JAX_FA3_HEAD_DIMS / JAX_FA3_DTYPES");
+}
+
+// The parameters every forward handler fills alike (key_ranges, key_covers: nullptr for whole
+// rows); a paged call adds its pages.
+FlashFwdParams forward_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                              const ffi::AnyBuffer& v, ffi::Result<ffi::AnyBuffer>& out,
+                              ffi::Result<ffi::Buffer<ffi::F32>>& lse,
+                              const ffi_util::AttentionDims& a, DType dtype, float softmax_scale,
+                              float softcap, int32_t window_left, int32_t window_right,
+                              const ffi::AnyBuffer* key_ranges, const ffi::AnyBuffer* key_covers) {
+  FlashFwdParams params{};
+  params.q = q.untyped_data();
+  params.k = k.untyped_data();
+  params.v = v.untyped_data();
+  params.o = out->untyped_data();
+  params.lse = lse->typed_data();
+  ffi_util::set_dims(params, a);
+  params.dtype = dtype;
+  params.softmax_scale = softmax_scale;
+  params.softcap = softcap;
+  params.window_left = window_left;
+  params.window_right = window_right;
+  if (key_ranges != nullptr) {
+    params.key_ranges = static_cast<const int*>(key_ranges->untyped_data());
+    params.key_covers = static_cast<const int*>(key_covers->untyped_data());
+  }
+  return params;
+}
 
 // key_ranges, key_covers: the masked variant's (common/key_ranges.h), else nullptr.
 ffi::Error flash_fwd_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -36,29 +75,9 @@ ffi::Error flash_fwd_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q,
         ffi_util::check_key_ranges(op, *key_ranges, *key_covers, a.b, a.s_q));
   }
 
-  const int bucket = head_dim_bucket(static_cast<int>(a.d));
-  if (!kernel_compiled(bucket, dtype)) {
-    return invalid(op, ": no kernel compiled for head-dim bucket ", bucket, " (head dim ", a.d,
-                   ") and dtype ", dtype_name(dtype),
-                   "; rebuild with it in JAX_FA3_HEAD_DIMS / JAX_FA3_DTYPES");
-  }
-
-  FlashFwdParams params{};
-  params.q = q.untyped_data();
-  params.k = k.untyped_data();
-  params.v = v.untyped_data();
-  params.o = out->untyped_data();
-  params.lse = lse->typed_data();
-  ffi_util::set_dims(params, a);
-  params.dtype = dtype;
-  params.softmax_scale = softmax_scale;
-  params.softcap = softcap;
-  params.window_left = window_left;
-  params.window_right = window_right;
-  if (key_ranges != nullptr) {
-    params.key_ranges = static_cast<const int*>(key_ranges->untyped_data());
-    params.key_covers = static_cast<const int*>(key_covers->untyped_data());
-  }
+  JAX_FA3_RETURN_IF_FFI_ERROR(check_compiled(op, a.d, dtype));
+  FlashFwdParams params = forward_params(q, k, v, out, lse, a, dtype, softmax_scale, softcap,
+                                         window_left, window_right, key_ranges, key_covers);
   return ffi_util::poison_and_launch(
       op, stream, [&] { return launch_flash_fwd(params, stream); }, out, lse);
 }
@@ -81,14 +100,86 @@ ffi::Error flash_fwd_key_ranges(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
                         lse, softmax_scale, softcap, window_left, window_right);
 }
 
+// A paged KV cache read in place, on the key-range kernel: k_pool and v_pool (num_pages,
+// page_size, h_k, d), kv_pages int32 (b, pages_per_seq); row r's logical key j is row
+// j % page_size of page kv_pages[r, j / page_size] (clamped into the pool when read), and the
+// key ranges are over the logical s_k = pages_per_seq * page_size keys.
+ffi::Error flash_fwd_paged(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_pool,
+                           ffi::AnyBuffer v_pool, ffi::AnyBuffer key_ranges,
+                           ffi::AnyBuffer key_covers, ffi::AnyBuffer kv_pages,
+                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                           float softmax_scale, float softcap, int32_t window_left,
+                           int32_t window_right) {
+  const char* op = "flash_fwd_paged";
+  const auto qd = q.dimensions();
+  const auto kd = k_pool.dimensions();
+  const auto pd = kv_pages.dimensions();
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_rank(op, "q", "(b, s_q, h, d)", qd, 4));
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_shape(
+      op, "k_pool", "shape (num_pages, page_size, h_k, d) with q's d =", kd,
+      {ffi_util::kAnyDim, ffi_util::kAnyDim, ffi_util::kAnyDim, qd[3]}));
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(op, "kv_pages", kv_pages, ffi::DataType::S32,
+                                                     "shape (b, pages_per_seq) =",
+                                                     {qd[0], ffi_util::kAnyDim}));
+  const int64_t num_pages = kd[0], page_size = kd[1], pages_per_seq = pd[1];
+  if (num_pages < 1 || page_size < 1 || pages_per_seq < 1) {
+    return invalid(op, ": the pool and the page table must not be empty, got k_pool ",
+                   shape_str(kd), " and kv_pages ", shape_str(pd));
+  }
+  if (num_pages > INT32_MAX / page_size) {
+    return invalid(op, ": num_pages * page_size must fit in int32, got k_pool ", shape_str(kd));
+  }
+  ffi_util::AttentionDims a{qd[0], qd[1], pages_per_seq * page_size, qd[2], kd[2], qd[3]};
+  if (pages_per_seq > ffi_util::kMaxSeqLen / page_size) a.s_k = ffi_util::kMaxSeqLen + 1;
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_attention_sizes(op, a, [&] {
+    return "q " + shape_str(qd) + ", k_pool " + shape_str(kd) +
+           " and kv_pages " + shape_str(pd);
+  }));
+  const auto t = ffi_util::to_dtype(q.element_type());
+  if (!t || (*t != DType::kBFloat16 && *t != DType::kFloat16)) {
+    return invalid(op, ": q must be bfloat16 or float16, got ",
+                   ffi_util::dtype_label(q.element_type()));
+  }
+  const DType dtype = *t;
+  JAX_FA3_RETURN_IF_FFI_ERROR(
+      ffi_util::check_dtype(op, "k_pool", k_pool.element_type(), q.element_type()));
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(op, "v_pool", v_pool, q.element_type(),
+                                                     "k_pool's shape", {kd[0], kd[1], kd[2], kd[3]}));
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_head_dim(op, a.d));
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(op, "out", *out, q.element_type(),
+                                                     "q's shape", {a.b, a.s_q, a.h, a.d}));
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_shape(op, "lse", "shape (b, h, s_q) =",
+                                                    lse->dimensions(), {a.b, a.h, a.s_q}));
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_attention_scalars(op, softmax_scale, softcap,
+                                                                window_left, window_right));
+  JAX_FA3_RETURN_IF_FFI_ERROR(
+      ffi_util::check_key_ranges(op, key_ranges, key_covers, a.b, a.s_q));
+  JAX_FA3_RETURN_IF_FFI_ERROR(check_compiled(op, a.d, dtype));
+  const int bucket = head_dim_bucket(static_cast<int>(a.d));
+  if (page_size % forward_key_block(bucket) != 0) {
+    return invalid(op, ": page_size must be a multiple of ", forward_key_block(bucket),
+                   " (the kernel's key block at head dim ", a.d, "), got ", page_size);
+  }
+
+  FlashFwdParams params = forward_params(q, k_pool, v_pool, out, lse, a, dtype, softmax_scale,
+                                         softcap, window_left, window_right, &key_ranges,
+                                         &key_covers);
+  params.kv_pages = static_cast<const int*>(kv_pages.untyped_data());
+  params.pages_per_seq = static_cast<int>(pages_per_seq);
+  params.page_size = static_cast<int>(page_size);
+  params.num_pages = static_cast<int>(num_pages);
+  return ffi_util::poison_and_launch(
+      op, stream, [&] { return launch_flash_fwd(params, stream); }, out, lse);
+}
+
 }  // namespace
 }  // namespace jax_fa3
 
 namespace jax_fa3 {
 namespace {
 
-// Both forward handlers bind q, k, v (the masked one then key_ranges and key_covers:
-// common/key_ranges.h), then these results and attributes.
+// The forward handlers bind q, k, v (the key-range one then key_ranges and key_covers,
+// common/key_ranges.h; the paged one those and kv_pages), then these results and attributes.
 template <class Binding>
 auto bind_fwd_results_and_attrs(Binding inputs) {
   return std::move(inputs).template Ret<ffi::AnyBuffer>()
@@ -112,6 +203,13 @@ auto bind_qkv() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashFwd, jax_fa3::flash_fwd_whole,
                               jax_fa3::bind_fwd_results_and_attrs(jax_fa3::bind_qkv()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFa3FlashFwdPaged, jax_fa3::flash_fwd_paged,
+    jax_fa3::bind_fwd_results_and_attrs(jax_fa3::bind_qkv()
+                                            .Arg<xla::ffi::AnyBuffer>()
+                                            .Arg<xla::ffi::AnyBuffer>()
+                                            .Arg<xla::ffi::AnyBuffer>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFa3FlashFwdKeyRanges, jax_fa3::flash_fwd_key_ranges,
     jax_fa3::bind_fwd_results_and_attrs(

@@ -8,6 +8,8 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
 
+#include "common/buckets.h"
+
 namespace jax_fa3::fwd {
 
 using namespace cute;
@@ -21,12 +23,9 @@ using namespace cute;
 //         FA3's 176 spilled ~230 B here with the overlapped mainloop: S 88 + P 44 + O 64 live)
 //   d192: 128x112 -> 48K + 2*2*42K  = 216 KB   S 56 + O 96
 //   d256: 128x80  -> 64K + 2*2*40K  = 224 KB   S 40 + O 128
-template <int kHeadDim> struct BlockN;
-template <> struct BlockN<64> { static constexpr int value = 160; };
-template <> struct BlockN<96> { static constexpr int value = 144; };
-template <> struct BlockN<128> { static constexpr int value = 128; };
-template <> struct BlockN<192> { static constexpr int value = 112; };
-template <> struct BlockN<256> { static constexpr int value = 80; };
+template <int kHeadDim> struct BlockN {
+  static constexpr int value = forward_key_block(kHeadDim);  // common/buckets.h
+};
 
 // The widest GMMA K-major swizzle whose row (in bytes) divides kWidth elements of Element
 // (16-bit d96 cannot use 128 B rows).

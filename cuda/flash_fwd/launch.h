@@ -38,6 +38,8 @@ inline FlashFwdScalars make_scalars(const FlashFwdParams& p) {
   s.lse = p.lse;
   s.key_ranges = p.key_ranges;
   s.key_covers = p.key_covers;
+  s.kv_pages = nullptr;  // set by launch_traits for a paged cache
+  s.pages_per_seq = s.blocks_per_page = s.num_pages = 0;
   return s;
 }
 
@@ -61,13 +63,25 @@ cudaError_t launch_traits(const FlashFwdParams& p, cudaStream_t stream) {
   const auto* q = static_cast<const Element*>(p.q);
   const auto* k = no_keys ? q : static_cast<const Element*>(p.k);
   const auto* v = no_keys ? q : static_cast<const Element*>(p.v);
-  const int s_k_desc = no_keys ? 1 : p.s_k;
+  // A paged cache's descriptors span its pools: one batch of num_pages * page_size rows.
+  const bool paged = p.kv_pages != nullptr && !no_keys;
+  if (paged && (!Traits::kKeyRanges || p.page_size % Traits::kBlockN != 0)) {
+    return cudaErrorInvalidValue;  // the handler checked both
+  }
+  const int s_k_desc = no_keys ? 1 : (paged ? p.num_pages * p.page_size : p.s_k);
   const int h_k_desc = no_keys ? 1 : p.h_k;
+  const int b_k_desc = paged ? 1 : p.b;
 
-  const FlashFwdScalars scalars = make_scalars(p);
+  FlashFwdScalars scalars = make_scalars(p);
+  if (paged) {
+    scalars.kv_pages = p.kv_pages;
+    scalars.pages_per_seq = p.pages_per_seq;
+    scalars.blocks_per_page = p.page_size / Traits::kBlockN;
+    scalars.num_pages = p.num_pages;
+  }
   const Params params = make_kernel_params<Traits>(
-      {}, q, k, make_gmem_tensor(v, s_k_desc, p.d, h_k_desc, p.b), static_cast<Element*>(p.o), p.b,
-      p.s_q, s_k_desc, p.h, h_k_desc, p.d, scalars);
+      {}, q, k, make_gmem_tensor(v, s_k_desc, p.d, h_k_desc, b_k_desc), static_cast<Element*>(p.o),
+      p.b, p.s_q, s_k_desc, p.h, h_k_desc, p.d, scalars, b_k_desc);
   int num_sms = 0;
   JAX_FA3_RETURN_IF_CUDA_ERROR(current_device_sm_count(&num_sms));
   return launch_kernel(params, std::min(num_sms, params.scheduler.num_tiles), stream);

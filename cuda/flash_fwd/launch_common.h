@@ -14,19 +14,21 @@ namespace jax_fa3::fwd {
 // Where one call's tensors are, as its TMA descriptors see them: Q and O (b, s_q, h, d), K
 // (b, s_k, h_k, d), and V's global view, which the caller builds (16-bit: like K; fp8: the
 // transposed Vt). s_k and h_k are those of the descriptors (1 for a call without keys, whose K/V
-// blocks are never loaded).
+// blocks are never loaded); kv_batch is K's batch extent (b unless given: a paged cache's pool
+// is one batch).
 template <class Traits, class GmemV>
 KernelParams<Traits> make_kernel_params(const ExtraParams<Traits::kFp8>& extra,
                                         const typename Traits::Element* q,
                                         const typename Traits::Element* k, GmemV const& v,
                                         typename Traits::ElementOut* o, int b, int s_q, int s_k,
-                                        int h, int h_k, int d, const FlashFwdScalars& scalars) {
+                                        int h, int h_k, int d, const FlashFwdScalars& scalars,
+                                        int kv_batch = -1) {
   using Params = KernelParams<Traits>;
   return Params{
       extra,
       make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(q, s_q, d, h, b),
                     typename Traits::SmemLayoutQ{}, typename Params::TileQ{}, _1{}),
-      make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(k, s_k, d, h_k, b),
+      make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(k, s_k, d, h_k, kv_batch < 0 ? b : kv_batch),
                     take<0, 2>(typename Traits::SmemLayoutK{}), typename Params::TileKV{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutV{}),
                     typename Params::TileV{}, _1{}),

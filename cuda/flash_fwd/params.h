@@ -28,6 +28,15 @@ struct FlashFwdParams {
   // under the window above. 16-bit kernels only; the ranges replace the window.
   const int* key_ranges = nullptr;
   const int* key_covers = nullptr;
+  // A paged KV cache read in place (key ranges only): k and v are pools (num_pages, page_size,
+  // h_k, d), and batch row r's logical key j lives in page kv_pages[r, j / page_size] at row
+  // j % page_size; s_k = pages_per_seq * page_size. page_size is a multiple of the kernel's key
+  // block (common/buckets.h, forward_key_block), so no K/V block straddles two pages. nullptr:
+  // k and v are (b, s_k, h_k, d).
+  const int* kv_pages = nullptr;
+  int pages_per_seq = 0;
+  int page_size = 0;
+  int num_pages = 0;
 };
 
 // The device-side view of the scalars: the scale already folded into the log2 domain.
@@ -42,6 +51,10 @@ struct FlashFwdScalars {
   float* lse;
   const int* key_ranges;  // FlashFwdParams::key_ranges
   const int* key_covers;  // FlashFwdParams::key_covers
+  const int* kv_pages;    // FlashFwdParams::kv_pages
+  int pages_per_seq;
+  int blocks_per_page;    // page_size / kBlockN
+  int num_pages;
 };
 
 }  // namespace jax_fa3

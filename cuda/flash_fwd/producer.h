@@ -37,15 +37,20 @@ __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
   Tensor sQ = make_tensor(make_smem_ptr(ss.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(ss.k.data()), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(ss.v.data()), typename Traits::SmemLayoutV{});
+  // Key ranges with a paged cache (params.h): K/V are pools seen as one batch of
+  // num_pages * page_size rows, and a logical block is found through the page table.
+  const bool paged = Traits::kKeyRanges && sc.kv_pages != nullptr;
+  const int kv_rows = paged ? sc.num_pages * sc.blocks_per_page * kBlockN : sc.s_k;
+  const int kv_batches = paged ? 1 : sc.b;
   // Coordinate tensors of the TMA descriptors (no pointers: TMA addresses by coordinates).
   Tensor mQ = p.tma_q.get_tma_tensor(GmemShape(sc.s_q, sc.d, sc.h, sc.b));
-  Tensor mK = p.tma_k.get_tma_tensor(GmemShape(sc.s_k, sc.d, sc.h_k, sc.b));
+  Tensor mK = p.tma_k.get_tma_tensor(GmemShape(kv_rows, sc.d, sc.h_k, kv_batches));
   // fp8: V^T (d, s_pad, h_k, b) from the transpose pre-pass (fp8/vt.h), keys contiguous.
   Tensor mV = [&] {
     if constexpr (Traits::kFp8) {
       return p.tma_v.get_tma_tensor(GmemShape(sc.d, p.s_pad, sc.h_k, sc.b));
     } else {
-      return p.tma_v.get_tma_tensor(GmemShape(sc.s_k, sc.d, sc.h_k, sc.b));
+      return p.tma_v.get_tma_tensor(GmemShape(kv_rows, sc.d, sc.h_k, kv_batches));
     }
   }();
   const int group = sc.h / sc.h_k;  // GQA: query heads per kv head
@@ -58,19 +63,34 @@ __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
         p.scheduler, index, kBlockM, kBlockN, sc);
     const TileCoord c = work.tile;
     const int kv_head = c.head / group;
+    const int kv_batch = paged ? 0 : c.batch;
+    // The pool block holding logical K/V block n_block (the block itself without pages). A page
+    // index outside the pool is clamped into it: no load leaves the pool (the contract's
+    // "out-of-range pages are clamped when read").
+    auto kv_block = [&](int n_block) {
+      if constexpr (Traits::kKeyRanges) {
+        if (paged) {
+          const int per_page = sc.blocks_per_page;
+          const int64_t entry = int64_t(c.batch) * sc.pages_per_seq + n_block / per_page;
+          const int page = min(max(__ldg(sc.kv_pages + entry), 0), sc.num_pages - 1);
+          return page * per_page + n_block % per_page;
+        }
+      }
+      return n_block;
+    };
     // A tail-split piece (fp8/tail_split.h) visits part of the tile's blocks; the low piece's top
     // blocks (>= max_only_from) feed only its row maxima and need no V.
     const BlockRange range = work.piece.visit;
     Tensor gQ = local_tile(mQ(_, _, c.head, c.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                            make_coord(c.m_block, _0{}));                       // (M, D)
-    Tensor gK = local_tile(mK(_, _, kv_head, c.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+    Tensor gK = local_tile(mK(_, _, kv_head, kv_batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                            make_coord(_, _0{}));                               // (N, D, n)
     Tensor gV = [&] {
       if constexpr (Traits::kFp8) {
         return local_tile(mV(_, _, kv_head, c.batch), Shape<Int<kHeadDim>, Int<kBlockN>>{},
                           make_coord(_0{}, _));                                // (D, N, n)
       } else {
-        return local_tile(mV(_, _, kv_head, c.batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+        return local_tile(mV(_, _, kv_head, kv_batch), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                           make_coord(_, _0{}));                                // (N, D, n)
       }
     }();
@@ -90,7 +110,7 @@ __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
     auto load_k = [&](int n_block) {
       mbar_wait(&ss.k_empty[kv.stage], kv.phase ^ 1);
       mbar_arrive_expect_tx(&ss.k_full[kv.stage], Traits::kTmaBytesKV);
-      copy(p.tma_k.with(ss.k_full[kv.stage]), tKgK(_, n_block), tKsK(_, kv.stage));
+      copy(p.tma_k.with(ss.k_full[kv.stage]), tKgK(_, kv_block(n_block)), tKsK(_, kv.stage));
     };
     auto load_v = [&](int n_block) {
       mbar_wait(&ss.v_empty[kv.stage], kv.phase ^ 1);
@@ -101,7 +121,7 @@ __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
         return;
       }
       mbar_arrive_expect_tx(&ss.v_full[kv.stage], Traits::kTmaBytesKV);
-      copy(p.tma_v.with(ss.v_full[kv.stage]), tVgV(_, n_block), tVsV(_, kv.stage));
+      copy(p.tma_v.with(ss.v_full[kv.stage]), tVgV(_, kv_block(n_block)), tVsV(_, kv.stage));
     };
 
     // The first K block does not depend on the previous tile's epilogue: issue it before
