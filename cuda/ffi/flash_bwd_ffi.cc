@@ -135,9 +135,10 @@ ffi::Error flash_bwd_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q,
                      "jax_fa3_flash_bwd_workspace_bytes), got ", workspace->size_bytes());
     }
     char* base = static_cast<char*>(workspace->untyped_data());
+    char* row_stats = ws.row_stats_in_dq ? static_cast<char*>(dq->untyped_data()) : base;
     p.dq_accum = reinterpret_cast<float*>(base + ws.dq_accum);
-    p.lse_log2 = reinterpret_cast<float*>(base + ws.lse_log2);
-    p.dpsum = reinterpret_cast<float*>(base + ws.dpsum);
+    p.lse_log2 = reinterpret_cast<float*>(row_stats + ws.lse_log2);
+    p.dpsum = reinterpret_cast<float*>(row_stats + ws.dpsum);
     p.semaphores = deterministic ? reinterpret_cast<int*>(base + ws.semaphores) : nullptr;
   }
 

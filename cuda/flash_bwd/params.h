@@ -32,6 +32,7 @@ struct FlashBwdParams {
   float* dq_accum;    // (b, h, ceil(s_q / block_m), block_m * bucket) fp32 chunks, zeroed per call
   float* lse_log2;    // (b, h, s_q_pad) fp32: lse * log2(e); +inf for padded rows
   float* dpsum;       // (b, h, s_q_pad) fp32: D = rowsum(dO * O); 0 for padded rows
+                      // (both in the dq result's memory when they fit: WorkspaceLayout)
   int* semaphores;    // (b, h, ceil(s_q / block_m)) int32, zeroed; deterministic mode only
   int b, s_q, s_k, h, h_k, d;
   float softmax_scale;
@@ -51,6 +52,11 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // Byte offsets of the workspace pieces inside one allocation (each 256-byte aligned).
 struct WorkspaceLayout {
   size_t dq_accum, lse_log2, dpsum, semaphores, total;
+  // LSE*log2(e) and D sit at offsets lse_log2 and dpsum of the dq result instead, when they fit
+  // in its bytes (4 s_q_pad <= s_q d for 16-bit dq): only the postprocess writes dq, after the
+  // main kernel's last read of them, and a training step's peak memory holds 2 b h s_q_pad
+  // floats less (2 MiB at d = 128, 16k tokens, 16 heads).
+  bool row_stats_in_dq;
 };
 
 // dQ is accumulated per Q block in chunks of block_m rows x the head-dim bucket (padded rows and
@@ -62,13 +68,22 @@ inline WorkspaceLayout workspace_layout(int64_t b, int64_t h, int64_t s_q, int64
   const int64_t block_m = block_m_for_bucket(static_cast<int>(d_pad));
   const int64_t s_q_pad = round_up(s_q, block_m);
   WorkspaceLayout w{};
+  const size_t row_stats = round_up(4 * b * h * s_q_pad, 256);
+  // s_q_pad is a multiple of 64, so row_stats is 4 b h s_q_pad exactly: both fit in the dq
+  // result's 2 b s_q h d bytes iff 4 s_q_pad <= s_q d.
+  w.row_stats_in_dq = 4 * s_q_pad <= s_q * d;
   size_t off = 0;
   w.dq_accum = off;
   off += round_up(4 * b * h * s_q_pad * d_pad, 256);
-  w.lse_log2 = off;
-  off += round_up(4 * b * h * s_q_pad, 256);
-  w.dpsum = off;
-  off += round_up(4 * b * h * s_q_pad, 256);
+  if (w.row_stats_in_dq) {
+    w.lse_log2 = 0;
+    w.dpsum = row_stats;
+  } else {
+    w.lse_log2 = off;
+    off += row_stats;
+    w.dpsum = off;
+    off += row_stats;
+  }
   w.semaphores = off;
   if (deterministic) off += round_up(4 * b * h * (s_q_pad / block_m), 256);
   w.total = off;
