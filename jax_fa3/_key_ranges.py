@@ -66,7 +66,8 @@ def _runs_by_sort(q_segment, kv_segment):
 
 
 def row_ranges(masks, s_q: int, s_k: int, window_left: int, window_right: int):
-  """(lo, hi, exact): int32 (b, s_q) visible keys [lo, hi) per query (lo = hi = 0 for a query
+  """(lo, hi, exact) of masks (diagonals (b,) or one per query, (b, s_q)):
+  int32 (b, s_q) visible keys [lo, hi) per query (lo = hi = 0 for a query
   that sees nothing) and a bool scalar, False when some segment is not one contiguous run of keys
   (then the intervals are not the masks and the caller takes another path)."""
   q_lengths, kv_lengths, diagonals = (jnp.asarray(x, jnp.int32) for x in masks[:3])
@@ -75,7 +76,8 @@ def row_ranges(masks, s_q: int, s_k: int, window_left: int, window_right: int):
   # 2 (s_q + s_k) a diagonal leaves every row all or none of the keys, and past 4 (s_q + s_k) a
   # window reaches past every key from any such centre.
   reach = s_q + s_k
-  centre = query + jnp.clip(diagonals, -2 * reach, 2 * reach)[:, None]
+  diagonals = jnp.clip(diagonals, -2 * reach, 2 * reach)
+  centre = query + (diagonals[:, None] if diagonals.ndim == 1 else diagonals)  # per row or query
   lo = jnp.zeros_like(centre)
   hi = jnp.broadcast_to(jnp.clip(kv_lengths, 0, s_k)[:, None], centre.shape)
   if 0 <= window_left:

@@ -56,7 +56,7 @@ LAYOUTS = {
     "kvhead": ("b", "n"),         # (batch, heads_k): per-(batch, kv head) scales (fp8)
     "vec": ("d",),                # (head_dim,): the fp8 rotation's signs (replicated)
     "lens": ("b",),               # (batch,): sequence lengths
-    "qseg": ("b", "q"),           # (batch, seqlen_q): query segment ids
+    "qseg": ("b", "q"),           # (batch, seqlen_q): query segment ids, per-query diagonals
     "kseg": ("b", "k"),           # (batch, seqlen_k): key segment ids
 }
 

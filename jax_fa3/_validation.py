@@ -154,7 +154,8 @@ def padding_masks(q, k, *, query_seq_lengths=None, key_value_seq_lengths=None,
   """Validates flash_attention's padding arguments; returns None when none is given, else the
   int32 masks of `jax_fa3.attention.masked_attention`: (q_lengths (b,), kv_lengths (b,),
   diagonals (b,)) with missing lengths full and every diagonal seqlen_k - seqlen_q (the arrays'
-  bottom-right alignment), then (q_segment_ids (b, s_q), kv_segment_ids (b, s_k)) when given.
+  bottom-right alignment); with segment ids the diagonals are per query, (b, s_q), followed by
+  (q_segment_ids (b, s_q), kv_segment_ids (b, s_k)).
   Lengths known at trace time must lie in [0, seqlen]; traced ones are clamped there."""
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("give q_segment_ids and kv_segment_ids together (the same array twice for "
@@ -178,5 +179,5 @@ def padding_masks(q, k, *, query_seq_lengths=None, key_value_seq_lengths=None,
     return (*lengths, diagonals)
   check_int_array("q_segment_ids", q_segment_ids, (b, s_q), "(batch, seqlen_q)")
   check_int_array("kv_segment_ids", kv_segment_ids, (b, s_k), "(batch, seqlen_k)")
-  return (*lengths, diagonals, jnp.asarray(q_segment_ids, jnp.int32),
-          jnp.asarray(kv_segment_ids, jnp.int32))
+  return (*lengths, jnp.broadcast_to(diagonals[:, None], (b, s_q)),
+          jnp.asarray(q_segment_ids, jnp.int32), jnp.asarray(kv_segment_ids, jnp.int32))

@@ -44,7 +44,8 @@ BACKWARD_DLSE = _partitioning.AttentionOp(
 
 # Padded batches (`jax_fa3._local_attention.forward_local_masked`'s masks): no ring body (a
 # sequence split is gathered, queries included: the masks depend on absolute positions). One op
-# family per mask layout: per-row lengths and diagonals, and those plus segment ids.
+# family per mask layout: per-row lengths and diagonals, and per-row lengths with per-query
+# diagonals and segment ids.
 def _local_backward_masked_dlse(q, k, v, out, lse, dout, dlse, *masks_and_cfg):
   return _local_attention.backward_local_masked(q, k, v, out, lse, dout, *masks_and_cfg,
                                                 dlse=dlse)
@@ -63,7 +64,7 @@ def _masked_ops(name, masks):
 
 _ROW_BOUNDS = ("lens", "lens", "lens")  # q_lengths, kv_lengths, diagonals
 MASKED_OPS = {3: _masked_ops("padded", _ROW_BOUNDS),
-              5: _masked_ops("segmented", _ROW_BOUNDS + ("qseg", "kseg"))}
+              5: _masked_ops("segmented", ("lens", "lens", "qseg", "qseg", "kseg"))}
 
 
 def partitioned_forward(q, k, v, cfg: AttentionConfig):
@@ -144,9 +145,10 @@ _masked_attention.defvjp(_masked_attention_fwd, _masked_attention_bwd)
 
 def masked_attention(q, k, v, masks, cfg: AttentionConfig, return_lse: bool):
   """Attention over a padded batch, differentiable in q, k, v: masks = int32 (q_lengths (b,),
-  kv_lengths (b,), diagonals (b,)), optionally followed by (q_segment_ids (b, s_q),
-  kv_segment_ids (b, s_k)), as `jax_fa3.reference.attention_forward` reads them. For the callers
-  that validated their own arguments (flash_attention, varlen, the KV cache)."""
+  kv_lengths (b,), diagonals (b,)), or (q_lengths (b,), kv_lengths (b,), diagonals (b, s_q),
+  q_segment_ids (b, s_q), kv_segment_ids (b, s_k)) with one diagonal per query, as
+  `jax_fa3.reference.attention_forward` reads them. For the callers that validated their own
+  arguments (flash_attention, varlen, the KV cache)."""
   return _masked_attention(q, k, v, tuple(masks), cfg, bool(return_lse))
 
 

@@ -144,8 +144,10 @@ class _Problem:
             return self._in_window(query, key, self.s_k - self.s_q)  # bottom-right alignment
         (q_length, diagonal, q_segment), (k_length, k_segment) = q_tags, k_tags
         query, key = query[None], key[None]
+        # One diagonal per row (b,) or per query of the block (b, block_q).
+        centre_offset = diagonal[:, None, None] if diagonal.ndim == 1 else diagonal[:, :, None]
         # Positions past a row's length are padding: they neither see nor are seen.
-        visible = (self._in_window(query, key, diagonal[:, None, None])
+        visible = (self._in_window(query, key, centre_offset)
                    & (query < q_length[:, None, None]) & (key < k_length[:, None, None]))
         if q_segment is not None:
             visible &= q_segment[:, :, None] == k_segment[:, None, :]
@@ -199,8 +201,9 @@ def _block_tags(masks, s_q, s_k, block_q, block_k):
         blocked = _pad_axis(segment, 1, n * block).reshape(segment.shape[0], n, block)
         return jnp.swapaxes(blocked, 0, 1)
 
-    q_tags = (per_row(q_length, s_q, block_q), per_row(diagonal, s_q, block_q),
-              per_token(q_segment, s_q, block_q))
+    diagonals = (per_token(diagonal, s_q, block_q) if diagonal.ndim == 2
+                 else per_row(diagonal, s_q, block_q))
+    q_tags = (per_row(q_length, s_q, block_q), diagonals, per_token(q_segment, s_q, block_q))
     k_tags = (per_row(k_length, s_k, block_k), per_token(k_segment, s_k, block_k))
     return q_tags, k_tags
 
@@ -254,12 +257,12 @@ def attention_forward(q, k, v, *, softmax_scale, window_left=-1, window_right=-1
       q: (b, s_q, h, d); k, v: (b, s_k, h_k, d) with h % h_k == 0, all of one dtype.
       softmax_scale, window_left, window_right, softcap: see docs/CONTRACTS.md.
       block_q, block_k: block sizes (default: 512, or the sequence length when shorter).
-      masks: optional integer arrays (q_lengths (b,), kv_lengths (b,), diagonals (b,)), optionally
-        followed by (q_segment_ids (b, s_q), kv_segment_ids (b, s_k)): query i of batch row r
-        sees key j only if i < q_lengths[r], j < kv_lengths[r], the window centred on key
-        i + diagonals[r] holds j (diagonals[r] = s_k - s_q is the unmasked bottom-right
-        alignment) and their segment ids are equal; rows that see nothing give out 0 and
-        lse +inf.
+      masks: optional integer arrays (q_lengths (b,), kv_lengths (b,), diagonals (b,)), or
+        (q_lengths, kv_lengths, diagonals (b, s_q), q_segment_ids (b, s_q),
+        kv_segment_ids (b, s_k)): query i of batch row r sees key j only if i < q_lengths[r],
+        j < kv_lengths[r], the window centred on key i + diagonals[r] (or diagonals[r, i], one
+        per query) holds j (s_k - s_q is the unmasked bottom-right alignment) and their segment
+        ids are equal; rows that see nothing give out 0 and lse +inf.
 
     Returns:
       out (b, s_q, h, d) in q's dtype, and lse (b, h, s_q): float32, or float64 for float64 inputs

@@ -4,10 +4,10 @@
 Sequence r owns the tokens cu_seqlens[r] : cu_seqlens[r + 1] of the packed (total_tokens, heads,
 head_dim) arrays. Two routes, one result:
 
-- packed: when queries and keys share their sequences (the same cu_seqlens array, or equal
-  values known at trace time) and the kernels' key-range variants run, the packed arrays are one
-  batch row whose segment ids are the sequence indices; each query sees one interval of keys, so
-  nothing is copied or padded and the kernels skip the tiles between sequences;
+- packed: where the kernels' key-range variants run, the packed arrays are one batch row whose
+  segment ids are the sequence indices, each query's mask centred on its own sequence's
+  bottom-right diagonal; each query sees one interval of keys, so nothing is copied or padded
+  and the kernels skip the tiles between sequences;
 - padded: otherwise the call gathers the packed tokens into a (num_seqs, max_seqlen, heads,
   head_dim) batch, sequence r at the start of row r, runs padded-batch attention with the
   sequences' lengths and each row's own mask diagonal (query i sees key j <= i + len_k - len_q,
@@ -61,23 +61,23 @@ def _padded_positions(cu, lengths, max_seqlen, total):
   return jnp.clip(token, 0, max(total - 1, 0)), real
 
 
-def _same_sequences(cu_seqlens_q, cu_seqlens_k) -> bool:
-  """Whether queries and keys are known at trace time to share their sequences."""
-  if cu_seqlens_q is cu_seqlens_k:
-    return True
-  values_q, values_k = concrete(cu_seqlens_q), concrete(cu_seqlens_k)
-  return (values_q is not None and values_k is not None
-          and np.array_equal(np.asarray(values_q), np.asarray(values_k)))
-
-
-def _packed_attention(q, k, v, cu, cfg, return_lse):
-  """Self-attention over packed sequences as one batch row: segment ids are the sequence indices
-  (tokens past cu[-1], a traced contract violation, are padding: out 0)."""
-  total = q.shape[0]
+def _sequence_of_tokens(cu, total):
+  """int32 (total,): the sequence each packed token belongs to (num_seqs past cu[-1])."""
   token = jnp.arange(total, dtype=jnp.int32)
-  sequence = jnp.searchsorted(cu[1:], token, side="right").astype(jnp.int32)[None]
-  end = jnp.clip(cu[-1:], 0, total)
-  masks = (end, end, jnp.zeros((1,), jnp.int32), sequence, sequence)
+  return jnp.searchsorted(cu[1:], token, side="right").astype(jnp.int32)
+
+
+def _packed_attention(q, k, v, cu_q, cu_k, cfg, return_lse):
+  """Attention over packed sequences as one batch row: segment ids are the sequence indices, and
+  query i of sequence r is centred on key i + (cu_k[r + 1] - cu_q[r + 1]), its sequence's
+  bottom-right alignment (tokens past cu[-1], a traced contract violation, are padding: out 0)."""
+  total_q, total_k = q.shape[0], k.shape[0]
+  q_sequence = _sequence_of_tokens(cu_q, total_q)
+  k_sequence = _sequence_of_tokens(cu_k, total_k)
+  ends = jnp.concatenate([cu_k[1:] - cu_q[1:], jnp.zeros((1,), jnp.int32)])
+  diagonals = ends[q_sequence][None]
+  masks = (jnp.clip(cu_q[-1:], 0, total_q), jnp.clip(cu_k[-1:], 0, total_k), diagonals,
+           q_sequence[None], k_sequence[None])
   result = masked_attention(q[None], k[None], v[None], masks, cfg, return_lse)
   if not return_lse:
     return result[0]
@@ -112,11 +112,9 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     out (total_q, heads, head_dim) in q's dtype, or (out, lse) with return_lse. A query whose
     sequence has no key (len_k = 0, or a window) gets out 0 and lse +inf.
 
-  With JAX_FA3_MASKED_KERNELS=1 on a Hopper GPU, self-attention (queries and keys sharing their
-  sequences: the same cu_seqlens array twice, or equal values known at trace time) runs on the
-  packed arrays in place, as one row of documents (see the module docstring; max_seqlen is then
-  not needed, and a traced sequence longer than it is attended whole). Otherwise the call runs
-  as a padded batch (`flash_attention` with sequence lengths: on the kernels, which skip the
+  With JAX_FA3_MASKED_KERNELS=1 on a Hopper GPU the call runs on the packed arrays in place, as
+  one row of documents (see the module docstring; max_seqlen is then not needed, and a traced
+  sequence longer than it is attended whole). Otherwise it runs as a padded batch (`flash_attention` with sequence lengths: on the kernels, which skip the
   padding's tiles, when JAX_FA3_MASKED_KERNELS=1, else on the pure-JAX path), so memory follows
   num_seqs × max_seqlen.
   """
@@ -132,11 +130,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, "
                      f"got shapes {tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
   cu_q, cu_k = (jnp.asarray(c, jnp.int32) for c in (cu_seqlens_q, cu_seqlens_k))
-  if (q.shape[0] == k.shape[0] and _same_sequences(cu_seqlens_q, cu_seqlens_k)
-      and _local_attention.masked_kernels_would_run(q[None])):
+  if _local_attention.masked_kernels_would_run(q[None]):
     cfg = attention_config(q[None], k[None], v[None], softmax_scale=softmax_scale, causal=causal,
                            window_size=window_size, softcap=softcap, deterministic=deterministic)
-    return _packed_attention(q, k, v, cu_q, cfg, return_lse)
+    return _packed_attention(q, k, v, cu_q, cu_k, cfg, return_lse)
   q_len = jnp.clip(cu_q[1:] - cu_q[:-1], 0, max_seqlen_q)
   k_len = jnp.clip(cu_k[1:] - cu_k[:-1], 0, max_seqlen_k)
   q_token, q_real = _padded_positions(cu_q, q_len, max_seqlen_q, q.shape[0])

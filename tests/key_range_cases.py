@@ -9,7 +9,7 @@ def visible(masks, s_q: int, s_k: int, window_left: int, window_right: int) -> n
   q_len, k_len, diag = (np.asarray(x, np.int64) for x in masks[:3])
   i = np.arange(s_q)[None, :, None]
   j = np.arange(s_k)[None, None, :]
-  centre = i + diag[:, None, None]
+  centre = i + (diag[:, None, None] if diag.ndim == 1 else diag[:, :, None])  # per row or query
   sees = (i < q_len[:, None, None]) & (j < k_len[:, None, None])
   if window_left >= 0:
     sees &= j >= centre - window_left
@@ -70,6 +70,17 @@ def cases(seed: int = 0):
   out.append(("cross documents", (np.array([160, 160], np.int32), np.array([250, 250], np.int32),
                                   np.array([90, 90], np.int32), q_docs, k_docs), 160, 250, -1, -1,
               True))
+  # Packed varlen cross-attention: query and key sequences of different lengths in one row, each
+  # query's window centred on its own sequence's bottom-right diagonal (one per query).
+  lens_q, lens_k = [5, 130, 0, 64, 1], [7, 100, 3, 200, 1]
+  q_seq = np.repeat(np.arange(5), lens_q)[None].astype(np.int32)
+  k_seq = np.repeat(np.arange(5), lens_k)[None].astype(np.int32)
+  q_end, k_end = np.cumsum(lens_q), np.cumsum(lens_k)
+  per_query = (k_end - q_end)[q_seq].astype(np.int32)
+  tq, tk = int(q_end[-1]), int(k_end[-1])
+  for wl, wr in ((-1, 0), (-1, -1), (20, 0)):
+    out.append(("varlen cross", (np.array([tq], np.int32), np.array([tk], np.int32), per_query,
+                                 q_seq, k_seq), tq, tk, wl, wr, True))
   # Ids out of order but each one contiguous; an id only the queries have (sees nothing).
   q_ids = np.array([[3, 3, 1, 1, 9, 2, 2, 2]], np.int32)
   k_ids = np.array([[2, 2, 3, 3, 3, 1, 1, 1, 1, 0]], np.int32)

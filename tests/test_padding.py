@@ -299,10 +299,14 @@ def test_varlen_matches_oracle_per_sequence(causal, window):
 
 
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (3, 0))])
-def test_varlen_packed_route_matches_the_oracle_per_sequence(causal, window, monkeypatch):
-  # Self-attention over packed sequences takes the packed route (one row, sequence indices as
-  # segment ids) where the kernels' key-range variants run; forced here, it runs the same
-  # masks on the pure-JAX path. Every sequence must match the oracle alone, gradients included.
+@pytest.mark.parametrize("lens_q,lens_k", [([23, 0, 1, 64, 9], [23, 0, 1, 64, 9]),
+                                           (VARLEN_Q, VARLEN_K)])
+def test_varlen_packed_route_matches_the_oracle_per_sequence(causal, window, lens_q, lens_k,
+                                                             monkeypatch):
+  # Where the kernels' key-range variants run, varlen attends the packed arrays as one row
+  # (sequence indices as segment ids, one diagonal per query); forced here, the same masks run on
+  # the pure-JAX path. Every sequence must match the oracle alone, gradients included, for
+  # self-attention and for query and key sequences of different lengths.
   from jax_fa3 import _local_attention, varlen  # noqa: PLC0415
   monkeypatch.setattr(_local_attention, "masked_kernels_would_run", lambda q: True)
   routed = []
@@ -310,30 +314,35 @@ def test_varlen_packed_route_matches_the_oracle_per_sequence(causal, window, mon
   monkeypatch.setattr(varlen, "_packed_attention",
                       lambda *a, **kw: routed.append(1) or packed(*a, **kw))
   rng = np.random.default_rng(14)
-  lens = [23, 0, 1, 64, 9]
-  total = sum(lens)
-  q, k, v, dout = (jnp.asarray(rng.standard_normal((total, H if i in (0, 3) else H_K, D)),
-                               jnp.float32) for i in range(4))
-  cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+  tq, tk = sum(lens_q), sum(lens_k)
+  q, dout = (jnp.asarray(rng.standard_normal((tq, H, D)), jnp.float32) for _ in range(2))
+  k, v = (jnp.asarray(rng.standard_normal((tk, H_K, D)), jnp.float32) for _ in range(2))
+  cu = lambda lens: jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+  cu_q, cu_k = cu(lens_q), cu(lens_k)
   options = dict(causal=causal, window_size=window)
-  call = lambda q, k, v: jax_fa3.flash_attention_varlen(q, k, v, cu, cu, 64, 64, return_lse=True,
-                                                        **options)
+  call = lambda q, k, v: jax_fa3.flash_attention_varlen(
+      q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True, **options)
   out, lse = jax.jit(call)(q, k, v)
   grads = jax.jit(jax.grad(lambda q, k, v: jnp.sum(call(q, k, v)[0] * dout),
                            argnums=(0, 1, 2)))(q, k, v)
   assert routed, "the packed route did not run"
   oracle_options = dict(softmax_scale=D**-0.5, window_left=window[0],
                         window_right=0 if causal else window[1])
-  for r in range(len(lens)):
-    s = slice(int(cu[r]), int(cu[r + 1]))
-    if lens[r] == 0:
+  for r in range(len(lens_q)):
+    qs, ks = slice(int(cu_q[r]), int(cu_q[r + 1])), slice(int(cu_k[r]), int(cu_k[r + 1]))
+    if lens_q[r] == 0:
       continue
-    one = lambda x: np.asarray(x, np.float64)[None, s]
-    ref_out, ref_lse = attention_oracle(one(q), one(k), one(v), **oracle_options)
-    np.testing.assert_allclose(np.asarray(out)[s], ref_out[0], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(lse)[:, s], ref_lse[0], rtol=1e-5, atol=1e-5)
-    ref_grads = attention_oracle_grads(one(q), one(k), one(v), one(dout), **oracle_options)
-    for g, rg in zip(grads, ref_grads):
+    if lens_k[r] == 0:  # no key: out 0, lse +inf, no gradient
+      assert np.all(np.asarray(out)[qs] == 0) and np.all(np.isinf(np.asarray(lse)[:, qs]))
+      assert np.all(np.asarray(grads[0])[qs] == 0)
+      continue
+    one = lambda x, s: np.asarray(x, np.float64)[None, s]
+    ref_out, ref_lse = attention_oracle(one(q, qs), one(k, ks), one(v, ks), **oracle_options)
+    np.testing.assert_allclose(np.asarray(out)[qs], ref_out[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse)[:, qs], ref_lse[0], rtol=1e-5, atol=1e-5)
+    ref_grads = attention_oracle_grads(one(q, qs), one(k, ks), one(v, ks), one(dout, qs),
+                                       **oracle_options)
+    for g, rg, s in zip(grads, ref_grads, (qs, ks, ks)):
       np.testing.assert_allclose(np.asarray(g)[s], rg[0], rtol=1e-5, atol=1e-5)
 
 
