@@ -267,6 +267,27 @@ def _varlen_inputs(seed, dtype=jnp.float32):
   return make(tq, H), make(tk, H_K), make(tk, H_K), make(tq, H), cu(VARLEN_Q), cu(VARLEN_K)
 
 
+def _check_each_sequence(out, lse, grads, arrays, cu_q, cu_k, oracle_options):
+  """Packed varlen results against the oracle on each sequence alone (1e-5: float32 inputs)."""
+  q, k, v, dout = arrays
+  for r in range(len(cu_q) - 1):
+    qs, ks = slice(int(cu_q[r]), int(cu_q[r + 1])), slice(int(cu_k[r]), int(cu_k[r + 1]))
+    if qs.start == qs.stop:
+      continue
+    if ks.start == ks.stop:  # no key: out 0, lse +inf, no gradient
+      assert np.all(np.asarray(out)[qs] == 0) and np.all(np.isinf(np.asarray(lse)[:, qs]))
+      assert np.all(np.asarray(grads[0])[qs] == 0)
+      continue
+    one = lambda x, s: np.asarray(x, np.float64)[None, s]
+    ref_out, ref_lse = attention_oracle(one(q, qs), one(k, ks), one(v, ks), **oracle_options)
+    np.testing.assert_allclose(np.asarray(out)[qs], ref_out[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse)[:, qs], ref_lse[0], rtol=1e-5, atol=1e-5)
+    ref_grads = attention_oracle_grads(one(q, qs), one(k, ks), one(v, ks), one(dout, qs),
+                                       **oracle_options)
+    for g, rg, s in zip(grads, ref_grads, (qs, ks, ks)):
+      np.testing.assert_allclose(np.asarray(g)[s], rg[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (3, 1))])
 def test_varlen_matches_oracle_per_sequence(causal, window):
   q, k, v, dout, cu_q, cu_k = _varlen_inputs(12)
@@ -280,22 +301,7 @@ def test_varlen_matches_oracle_per_sequence(causal, window):
   assert out.shape == q.shape and lse.shape == (H, q.shape[0])
   oracle_options = dict(softmax_scale=D**-0.5, window_left=window[0],
                         window_right=0 if causal else window[1])
-  for r in range(len(VARLEN_Q)):
-    qs, ks = slice(int(cu_q[r]), int(cu_q[r + 1])), slice(int(cu_k[r]), int(cu_k[r + 1]))
-    if VARLEN_Q[r] == 0:
-      continue
-    if VARLEN_K[r] == 0:  # no key: out 0, lse +inf, no gradient
-      assert np.all(np.asarray(out)[qs] == 0) and np.all(np.isinf(np.asarray(lse)[:, qs]))
-      assert np.all(np.asarray(grads[0])[qs] == 0)
-      continue
-    one = lambda x, s: np.asarray(x, np.float64)[None, s]
-    ref_out, ref_lse = attention_oracle(one(q, qs), one(k, ks), one(v, ks), **oracle_options)
-    np.testing.assert_allclose(np.asarray(out)[qs], ref_out[0], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(lse)[:, qs], ref_lse[0], rtol=1e-5, atol=1e-5)
-    ref_grads = attention_oracle_grads(one(q, qs), one(k, ks), one(v, ks), one(dout, qs),
-                                       **oracle_options)
-    for g, rg, s in zip(grads, ref_grads, (qs, ks, ks)):
-      np.testing.assert_allclose(np.asarray(g)[s], rg[0], rtol=1e-5, atol=1e-5)
+  _check_each_sequence(out, lse, grads, (q, k, v, dout), cu_q, cu_k, oracle_options)
 
 
 @pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (True, (3, 0))])
@@ -328,22 +334,7 @@ def test_varlen_packed_route_matches_the_oracle_per_sequence(causal, window, len
   assert routed, "the packed route did not run"
   oracle_options = dict(softmax_scale=D**-0.5, window_left=window[0],
                         window_right=0 if causal else window[1])
-  for r in range(len(lens_q)):
-    qs, ks = slice(int(cu_q[r]), int(cu_q[r + 1])), slice(int(cu_k[r]), int(cu_k[r + 1]))
-    if lens_q[r] == 0:
-      continue
-    if lens_k[r] == 0:  # no key: out 0, lse +inf, no gradient
-      assert np.all(np.asarray(out)[qs] == 0) and np.all(np.isinf(np.asarray(lse)[:, qs]))
-      assert np.all(np.asarray(grads[0])[qs] == 0)
-      continue
-    one = lambda x, s: np.asarray(x, np.float64)[None, s]
-    ref_out, ref_lse = attention_oracle(one(q, qs), one(k, ks), one(v, ks), **oracle_options)
-    np.testing.assert_allclose(np.asarray(out)[qs], ref_out[0], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(lse)[:, qs], ref_lse[0], rtol=1e-5, atol=1e-5)
-    ref_grads = attention_oracle_grads(one(q, qs), one(k, ks), one(v, ks), one(dout, qs),
-                                       **oracle_options)
-    for g, rg, s in zip(grads, ref_grads, (qs, ks, ks)):
-      np.testing.assert_allclose(np.asarray(g)[s], rg[0], rtol=1e-5, atol=1e-5)
+  _check_each_sequence(out, lse, grads, (q, k, v, dout), cu_q, cu_k, oracle_options)
 
 
 def test_varlen_check_grads_float64():
