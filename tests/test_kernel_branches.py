@@ -1,0 +1,102 @@
+"""The kernel branches of the masked, paged and varlen calls, traced on any machine.
+
+`jax.lax.platform_dependent` lowers only the branch of the platform it compiles for, so on a CPU
+the Python that builds a kernel call (key ranges, covers, page tables, result shapes) would run
+only on a GPU. Here the kernel checks are forced and `jax.make_jaxpr` traces every branch: each
+FFI call must appear with the operand shapes and dtypes its handler checks (cuda/ffi), so a
+mistake in them fails on the CPU too.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fa3
+from jax_fa3 import _ffi, _key_ranges, _local_attention
+
+
+@pytest.fixture(autouse=True)
+def _kernels_forced(monkeypatch):
+  monkeypatch.setattr(_local_attention, "_use_kernel", lambda target, q: True)
+  monkeypatch.setattr(_local_attention, "_use_masked_kernel", lambda target, q: True)
+  monkeypatch.setattr(_local_attention, "masked_kernels_would_run", lambda q: True)
+  monkeypatch.setattr(_local_attention, "paged_in_place", lambda q, page_size: True)
+  monkeypatch.setattr(_ffi, "flash_bwd_workspace_bytes", lambda *args: 1024)
+
+
+def _ffi_calls(fn, *args):
+  """{target: [operand avals (shape, dtype)]} of every FFI call in fn's jaxpr, nested ones too."""
+  calls = {}
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "ffi_call":
+        calls.setdefault(eqn.params["target_name"], []).append(
+            [(tuple(v.aval.shape), np.dtype(v.aval.dtype)) for v in eqn.invars])
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            walk(inner)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return calls
+
+
+def _key_range_operands(b, s_q):
+  s_pad = _key_ranges.padded_rows(s_q)
+  return [((b, s_pad, 2), np.dtype(np.int32)), ((b, s_pad // 64, 4), np.dtype(np.int32))]
+
+
+def test_segment_ids_build_the_key_range_calls():
+  b, s, h, d = 2, 200, 4, 64
+  q = jnp.ones((b, s, h, d), jnp.bfloat16)
+  kv = jnp.ones((b, s, 2, d), jnp.bfloat16)
+  seg = jnp.zeros((b, s), jnp.int32)
+
+  def loss(q, k, v):
+    out = jax_fa3.flash_attention(q, k, v, causal=True, q_segment_ids=seg, kv_segment_ids=seg)
+    return jnp.sum(out.astype(jnp.float32))
+
+  calls = _ffi_calls(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+  (fwd,) = calls["jax_fa3_flash_fwd_key_ranges"]
+  assert fwd[:3] == [(q.shape, q.dtype), (kv.shape, kv.dtype), (kv.shape, kv.dtype)]
+  assert fwd[3:] == _key_range_operands(b, s)
+  (bwd,) = calls["jax_fa3_flash_bwd_key_ranges"]
+  assert bwd[6:] == _key_range_operands(b, s)  # after q, k, v, out, dout, lse
+
+
+@pytest.mark.parametrize("lens_k", [[100, 156], [30, 300]])
+def test_varlen_builds_one_row_of_documents(lens_k):
+  lens_q = [100, 156]
+  q = jnp.ones((sum(lens_q), 4, 128), jnp.bfloat16)
+  kv = jnp.ones((sum(lens_k), 4, 128), jnp.bfloat16)
+  cu_q = jnp.asarray(np.cumsum([0] + lens_q), jnp.int32)
+  cu_k = jnp.asarray(np.cumsum([0] + lens_k), jnp.int32)
+
+  def loss(q, k, v):
+    out = jax_fa3.flash_attention_varlen(q, k, v, cu_q, cu_k, 156, max(lens_k), causal=True)
+    return jnp.sum(out.astype(jnp.float32))
+
+  calls = _ffi_calls(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+  (fwd,) = calls["jax_fa3_flash_fwd_key_ranges"]
+  assert fwd[0] == ((1,) + q.shape, q.dtype) and fwd[1] == ((1,) + kv.shape, kv.dtype)
+  assert fwd[3:] == _key_range_operands(1, q.shape[0])
+  assert len(calls["jax_fa3_flash_bwd_key_ranges"]) == 1
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_paged_cache_builds_the_paged_call(splits):
+  b, h, h_k, d, page, pages = 2, 8, 2, 128, 128, 4
+  q = jnp.ones((b, 1, h, d), jnp.bfloat16)
+  pool = jnp.ones((b * pages + 1, page, h_k, d), jnp.bfloat16)
+  table = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
+  lengths = jnp.asarray([100, 500], jnp.int32)
+  call = lambda q, kp, vp: jax_fa3.flash_attention_with_kvcache(
+      q, kp, vp, cache_seqlens=lengths, page_table=table, causal=True, num_splits=splits)
+  (paged,) = _ffi_calls(call, q, pool, pool)["jax_fa3_flash_fwd_paged"]
+  rows = b * splits  # the split's pieces are batch rows; GQA packs 4 query heads per row
+  assert paged[0] == ((rows, h // h_k, h_k, d), q.dtype)
+  assert paged[1:3] == [(pool.shape, pool.dtype)] * 2
+  assert paged[3:5] == _key_range_operands(rows, h // h_k)
+  assert paged[5] == ((rows, pages // splits), np.dtype(np.int32))
