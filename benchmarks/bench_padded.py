@@ -4,8 +4,8 @@ no padding, and what a half-padded batch or packed documents save.
 For each shape (bf16, 16k tokens per batch, 16 heads, d = 128 by default) and causal or not, the
 forward and forward + backward (`jax.grad` of a loss on the output) of:
   plain      `flash_attention(q, k, v)`: the whole-row kernels;
-  full       the same with `query_seq_lengths = key_value_seq_lengths = seqlen` (the padded-batch
-             kernels on a batch without padding: the overhead of per-row bounds, target <= 5%);
+  full       the same with `query_seq_lengths = key_value_seq_lengths = seqlen` (the key-range
+             kernels on a batch without padding: the overhead of key ranges, target <= 5%);
   half       lengths seqlen / 2 on every row (half the tokens are padding: target <= 55% of
              `plain`, the tiles of padding being skipped);
   ragged     lengths spread evenly over [seqlen / 8, seqlen] (56% of the tokens real);
