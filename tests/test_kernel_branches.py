@@ -100,3 +100,23 @@ def test_paged_cache_builds_the_paged_call(splits):
   assert paged[1:3] == [(pool.shape, pool.dtype)] * 2
   assert paged[3:5] == _key_range_operands(rows, h // h_k)
   assert paged[5] == ((rows, pages // splits), np.dtype(np.int32))
+
+
+def test_vmapped_paged_calls_fold_or_gather():
+  # vmap over the queries folds into the batch (one paged call); vmap over the pools themselves
+  # gathers each lane's pages onto the key-range kernel.
+  b, h, h_k, d, page, pages, lanes = 2, 4, 4, 128, 128, 2, 3
+  q = jnp.ones((lanes, b, 1, h, d), jnp.bfloat16)
+  pool = jnp.ones((b * pages, page, h_k, d), jnp.bfloat16)
+  table = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
+  lengths = jnp.asarray([100, 200], jnp.int32)
+  call = lambda q, kp, vp: jax_fa3.flash_attention_with_kvcache(
+      q, kp, vp, cache_seqlens=lengths, page_table=table, num_splits=1)
+  (paged,) = _ffi_calls(jax.vmap(call, in_axes=(0, None, None)), q, pool, pool)[
+      "jax_fa3_flash_fwd_paged"]
+  assert paged[0][0][0] == lanes * b and paged[1][0] == pool.shape
+  pools = jnp.ones((lanes,) + pool.shape, jnp.bfloat16)
+  calls = _ffi_calls(jax.vmap(call), q, pools, pools)
+  assert "jax_fa3_flash_fwd_paged" not in calls
+  (gathered,) = calls["jax_fa3_flash_fwd_key_ranges"]
+  assert gathered[1] == ((lanes * b, pages * page, h_k, d), pool.dtype)
