@@ -10,11 +10,17 @@ is 6 layers, width 512, 8 heads, sequence 1024, in bfloat16; on the CPU (or with
   python examples/train_gpt.py --compare-fp8 --steps 1000    # jax_fa3 bf16 vs its FP8 mode
   python examples/train_gpt.py --generate 200                # then write 200 bytes, KV cache
   python examples/train_gpt.py --parallel shard_map          # data parallel on all local devices
+  python examples/train_gpt.py --packed                      # rows packed with whole files
 
 `--attention xla|cudnn` uses flax.linen.MultiHeadDotProductAttention with the same parameter tree
 as our layer, so both models start from the very same parameters. `--attention jax_fa3_fp8` is our
 layer in FP8 mode (e4m3 forward with a Hadamard rotation, `fp8_backward="bf16"`); its rotation
 signs live outside the parameters, which are again the same.
+
+`--packed` trains on packed rows: each row holds the files it crosses as separate documents, a
+token attending only within its own file (segment ids, jax_fa3 attention only) and positions
+restarting at each file, so a document's logits are those it gets alone; the loss skips the
+first byte of each file (nothing in the row predicts it).
 """
 from __future__ import annotations
 
@@ -78,6 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="FP8 mode's backward (flash_attention_fp8's `backward`)")
   parser.add_argument("--plot", default="train_gpt_loss.png",
                       help="PNG written with --compare / --compare-fp8")
+  parser.add_argument("--packed", action="store_true",
+                      help="rows packed with whole files as documents (segment ids; jax_fa3 only)")
   parser.add_argument("--quiet", action="store_true", help="no progress bar")
   parser.add_argument("--generate", type=int, default=0, metavar="N",
                       help="after training jax_fa3, continue --prompt by N bytes (greedy) with "
@@ -98,23 +106,45 @@ def model_config(args) -> ModelConfig:
 
 # ----------------------------------------------------------------------------- data
 
-def load_corpus() -> np.ndarray:
-  """This repository's text files, concatenated in a fixed order, as uint8 bytes."""
+def load_documents() -> tuple[np.ndarray, np.ndarray]:
+  """This repository's text files, concatenated in a fixed order with a newline between two (which
+  counts to the file before it), as uint8 bytes, and the int32 index of each byte's file."""
   files = sorted(p for p in REPO.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file()
                  and not any(part.startswith(".") or part in ("build", "venv", "third_party")
                              for part in p.relative_to(REPO).parts))
-  data = b"\n".join(p.read_bytes() for p in files)
-  return np.frombuffer(data, dtype=np.uint8)
+  texts = [p.read_bytes() + (b"\n" if i + 1 < len(files) else b"") for i, p in enumerate(files)]
+  documents = np.repeat(np.arange(len(texts), dtype=np.int32), [len(t) for t in texts])
+  return np.frombuffer(b"".join(texts), dtype=np.uint8), documents
 
 
-def batches(corpus: np.ndarray, batch: int, seqlen: int, seed: int):
-  """Endless (batch, seqlen + 1) int32 windows at random offsets, the same for a given seed."""
+def load_corpus() -> np.ndarray:
+  """load_documents' bytes alone."""
+  return load_documents()[0]
+
+
+def batches(corpus: np.ndarray, batch: int, seqlen: int, seed: int, documents=None):
+  """Endless (batch, seqlen + 1) int32 windows at random offsets, the same for a given seed; with
+  `documents` (load_documents), (batch, seqlen + 1, 2): each byte and its file's segment id in
+  the row (0 for the first file the row touches, then 1, 2, ...)."""
   rng = np.random.default_rng(seed)
   if len(corpus) <= seqlen + 1:
     raise ValueError(f"the corpus ({len(corpus)} bytes) is shorter than seqlen + 1")
   while True:
     starts = rng.integers(0, len(corpus) - seqlen - 1, size=batch)
-    yield np.stack([corpus[s:s + seqlen + 1] for s in starts]).astype(np.int32)
+    tokens = np.stack([corpus[s:s + seqlen + 1] for s in starts]).astype(np.int32)
+    if documents is None:
+      yield tokens
+      continue
+    files = np.stack([documents[s:s + seqlen + 1] for s in starts])
+    yield np.stack([tokens, files - files[:, :1]], axis=-1).astype(np.int32)
+
+
+def positions_in_document(segment_ids):
+  """(batch, length) int32: each token's position inside its document (segments are runs)."""
+  index = jnp.arange(segment_ids.shape[-1], dtype=jnp.int32)
+  starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                            segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
 # ----------------------------------------------------------------------------- model
@@ -146,11 +176,13 @@ class Block(nn.Module):
   decode: bool = False
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, segment_ids=None):
     cfg = self.config
     attention = attention_layer(self.attention, cfg.heads, cfg.dtype, self.fp8_backward,
                                 self.decode)
-    x = x + attention(nn.LayerNorm(dtype=cfg.dtype)(x))
+    documents = {} if segment_ids is None else dict(q_segment_ids=segment_ids,
+                                                    kv_segment_ids=segment_ids)
+    x = x + attention(nn.LayerNorm(dtype=cfg.dtype)(x), **documents)
     h = nn.Dense(4 * cfg.width, dtype=cfg.dtype)(nn.LayerNorm(dtype=cfg.dtype)(x))
     return x + nn.Dense(cfg.width, dtype=cfg.dtype)(nn.gelu(h))
 
@@ -162,7 +194,9 @@ class GPT(nn.Module):
   decode: bool = False  # generation: the attention layers keep a KV cache ('cache' collection)
 
   @nn.compact
-  def __call__(self, tokens):
+  def __call__(self, tokens, segment_ids=None):
+    """Logits of `tokens`; with segment_ids (packed documents) each token attends within its
+    document and positions restart at each document."""
     cfg = self.config
     embed = nn.Embed(VOCAB, cfg.width, dtype=cfg.dtype)
     positions = self.param("positions", nn.initializers.normal(0.02), (cfg.seqlen, cfg.width))
@@ -173,10 +207,13 @@ class GPT(nn.Module):
       if initialized:
         start = position.value
         position.value = start + tokens.shape[-1]
-    x = embed(tokens) + jax.lax.dynamic_slice_in_dim(positions, start, tokens.shape[-1]).astype(
-        cfg.dtype)
+    if segment_ids is None:
+      position = jax.lax.dynamic_slice_in_dim(positions, start, tokens.shape[-1])
+    else:
+      position = jnp.take(positions, positions_in_document(segment_ids), axis=0)
+    x = embed(tokens) + position.astype(cfg.dtype)
     for _ in range(cfg.depth):
-      x = Block(cfg, self.attention, self.fp8_backward, self.decode)(x)
+      x = Block(cfg, self.attention, self.fp8_backward, self.decode)(x, segment_ids)
     x = nn.LayerNorm(dtype=cfg.dtype)(x)
     return embed.attend(x).astype(jnp.float32)  # tied output embedding
 
@@ -184,8 +221,14 @@ class GPT(nn.Module):
 # ----------------------------------------------------------------------------- training
 
 def loss_fn(params, model: GPT, batch, constants):
-  logits = model.apply({"params": params, **constants}, batch[:, :-1])
-  return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+  if batch.ndim == 2:
+    logits = model.apply({"params": params, **constants}, batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+  tokens, segments = batch[..., 0], batch[..., 1]  # packed documents (batches(documents=...))
+  logits = model.apply({"params": params, **constants}, tokens[:, :-1], segments[:, :-1])
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+  same_document = segments[:, 1:] == segments[:, :-1]  # a file's first byte has no context
+  return jnp.sum(losses * same_document) / jnp.maximum(jnp.sum(same_document), 1)
 
 
 def make_train_step(model: GPT, optimizer, parallel: str, devices, constants):
@@ -255,7 +298,7 @@ def progress(iterable, total: int, desc: str, quiet: bool):
     return printed()
 
 
-def train(args, attention: str, init_params, corpus) -> dict:
+def train(args, attention: str, init_params, corpus, documents=None) -> dict:
   """Trains from `init_params` on the batches of args.seed; returns losses and throughput."""
   config = model_config(args)
   devices = jax.local_devices() if args.parallel != "none" else jax.local_devices()[:1]
@@ -276,7 +319,7 @@ def train(args, attention: str, init_params, corpus) -> dict:
     constants = {name: tree for name, tree in variables.items() if name != "params"}
   step = make_train_step(model, optimizer, args.parallel, devices, constants)
 
-  losses, data = [], batches(corpus, args.batch, config.seqlen, args.seed)
+  losses, data = [], batches(corpus, args.batch, config.seqlen, args.seed, documents)
   start = None
   bar = progress(range(args.steps), args.steps, f"{attention}/{args.parallel}", args.quiet)
   for i in bar:
@@ -345,8 +388,10 @@ def main(argv=None) -> list[dict]:
   args = parse_args(argv)
   if args.attention == "cudnn" and jax.default_backend() != "gpu":
     raise SystemExit("--attention cudnn needs an NVIDIA GPU")
+  if args.packed and (args.attention != "jax_fa3" or args.compare or args.compare_fp8):
+    raise SystemExit("--packed needs --attention jax_fa3 (segment ids) and no comparison")
   config = model_config(args)
-  corpus = load_corpus()
+  corpus, documents = load_documents()
   print(f"{jax.default_backend()}: {len(jax.local_devices())} device(s); corpus "
         f"{len(corpus):,} bytes; model {config}; batch {args.batch}, {args.steps} steps")
   # Both attention kinds share one parameter tree, so one init serves every run.
@@ -354,7 +399,8 @@ def main(argv=None) -> list[dict]:
   init_params = init(jax.random.key(args.seed), np.zeros((1, config.seqlen), np.int32))["params"]
   kinds = (("jax_fa3", "xla") if args.compare else ("jax_fa3", "jax_fa3_fp8")
            if args.compare_fp8 else (args.attention,))
-  results = [train(args, kind, init_params, corpus) for kind in kinds]
+  results = [train(args, kind, init_params, corpus, documents if args.packed else None)
+             for kind in kinds]
   if len(results) == 2:
     a, b = results
     gap = np.max(np.abs(np.subtract(a["losses"], b["losses"])))

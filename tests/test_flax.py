@@ -443,3 +443,24 @@ def test_train_gpt_generation_with_the_kv_cache_equals_recomputing():
   assert cached == bytes(tokens[len(prompt):])
   with pytest.raises(ValueError, match="must fit in the model's 64 positions"):
     train_gpt.generate(config, params, prompt, 60)
+
+
+def test_train_gpt_packed_documents_see_only_themselves():
+  # --packed: a row of several files as documents (segment ids, positions restarting per file).
+  # Each document's logits inside the packed row equal its logits alone, and training runs.
+  train_gpt = _load_example("train_gpt")
+  results = train_gpt.main(["--small", "--depth", "1", "--steps", "2", "--packed", "--quiet"])
+  assert len(results[0]["losses"]) == 2 and np.all(np.isfinite(results[0]["losses"]))
+  config = train_gpt.model_config(train_gpt.parse_args(["--small", "--depth", "1"]))
+  model, params = train_gpt.GPT(config), results[0]["params"]
+  rng = np.random.default_rng(0)
+  lengths = [20, 1, 30, 13]  # four documents filling the 64 positions
+  tokens = jnp.asarray(rng.integers(0, 256, (1, sum(lengths))), jnp.int32)
+  segments = jnp.asarray(np.repeat(np.arange(4), lengths)[None], jnp.int32)
+  packed = jax.jit(lambda t, s: model.apply({"params": params}, t, s))(tokens, segments)
+  start = 0
+  for n in lengths:
+    alone = model.apply({"params": params}, tokens[:, start:start + n])
+    np.testing.assert_allclose(np.asarray(packed[:, start:start + n]), np.asarray(alone),
+                               rtol=1e-5, atol=1e-5)
+    start += n
