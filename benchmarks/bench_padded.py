@@ -16,7 +16,7 @@ forward and forward + backward (`jax.grad` of a loss on the output) of:
   documents  four equal documents per row by segment ids (a quarter of the keys per query);
   cudnn      `jax.nn.dot_product_attention(..., implementation="cudnn")` with the same `half`
              lengths, as the peer a JAX user would otherwise call.
-Runs with JAX_FA3_MASKED_KERNELS=1 (set here). Off-GPU it times the pure-JAX path, saying so.
+Off-GPU it times the pure-JAX path, saying so.
 
   python benchmarks/bench_padded.py [--seqlens 2048,8192] [--head-dim 128]
 """
@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
-os.environ.setdefault("JAX_FA3_MASKED_KERNELS", "1")
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import jax_fa3  # noqa: E402
-from jax_fa3 import _bench  # noqa: E402
+import jax_fa3
+from jax_fa3 import _bench
 
 TOKENS, HEADS = 16384, 16
 

@@ -144,13 +144,13 @@ def backward_local(q, k, v, out, lse, dout, cfg: AttentionConfig, dlse=None):
 # sees: every mask is folded into one interval of keys per query (jax_fa3._key_ranges). Segment
 # ids qualify when each query's segment is one contiguous run of keys (packed documents, padding
 # with its own id); otherwise the call takes the pure-JAX path, decided on the device (lax.cond).
-# The variants are experimental and opt-in (JAX_FA3_MASKED_KERNELS=1) until they have run on a
-# GPU.
+# They run by default on Hopper (tests/test_gpu_masked.py holds them to the plain kernels bit for
+# bit and to the float64 oracle); JAX_FA3_MASKED_KERNELS=0 sends these calls to the pure-JAX path.
 MASKED_KERNELS_ENV = "JAX_FA3_MASKED_KERNELS"
 
 
 def masked_kernels_enabled() -> bool:
-  return os.environ.get(MASKED_KERNELS_ENV, "0") == "1"
+  return os.environ.get(MASKED_KERNELS_ENV, "1") != "0"
 
 
 def masked_kernels_would_run(q) -> bool:
@@ -163,9 +163,8 @@ def masked_kernels_would_run(q) -> bool:
 def _use_masked_kernel(target: str, q) -> bool:
   if not masked_kernels_enabled():
     if _ffi.kernels_available():
-      reason = (f"padded and packed batches (sequence lengths, segment ids) run the pure-JAX path "
-                f"unless {MASKED_KERNELS_ENV}=1 (the kernels' key-range variants are "
-                f"experimental)")
+      reason = (f"{MASKED_KERNELS_ENV}=0: padded and packed batches (sequence lengths, segment "
+                f"ids) use the pure-JAX path")
       _ffi.announce_once(reason, f"jax_fa3: {reason}")
     return False
   return _use_kernel(target, q)

@@ -176,12 +176,12 @@ def flash_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     q_segment_ids, kv_segment_ids: optional int32 (batch, seqlen_q) / (batch, seqlen_k) arrays,
       given together (the same array twice for self-attention on packed rows): query i sees key
       j only when their ids are equal, on top of causal / window / lengths.
-      With JAX_FA3_MASKED_KERNELS=1 (experimental) they run on the kernels' key-range variants,
-      which skip the tiles no query sees: every mask becomes one interval of keys per query, so
-      segment ids qualify when each segment is one contiguous run of keys (packed documents);
-      other segment ids are detected on the device and take the pure-JAX path. Without the
-      variable the pure-JAX path runs, on every platform (announced once on the `jax_fa3`
-      logger). Ring attention gathers a split sequence.
+      On Hopper they run on the kernels' key-range variants, which skip the tiles no query sees:
+      every mask becomes one interval of keys per query, so segment ids qualify when each
+      segment is one contiguous run of keys (packed documents); other segment ids are detected
+      on the device and take the pure-JAX path. JAX_FA3_MASKED_KERNELS=0 sends these calls to
+      the pure-JAX path (announced once on the `jax_fa3` logger). Ring attention gathers a split
+      sequence.
 
   Returns:
     out with q's shape and dtype, or (out, lse) when return_lse.

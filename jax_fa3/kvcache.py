@@ -155,8 +155,8 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
   and out-of-range page or row indices are clamped when read.
 
   Forward only (no gradient). A contiguous bf16/fp16 cache is attended in place, on the kernels'
-  key-range variants when JAX_FA3_MASKED_KERNELS=1 (experimental), else on the pure-JAX
-  path. With the same variable, paged and row-indexed (cache_batch_idx) bf16/fp16 caches are
+  key-range variants on a Hopper GPU (JAX_FA3_MASKED_KERNELS=0: on the pure-JAX path), else on
+  the pure-JAX path. There, paged and row-indexed (cache_batch_idx) bf16/fp16 caches are
   read in place by the paged kernel when the page size (for cache_batch_idx: the capacity) is a
   multiple of its key block (`jax_fa3._local_attention.FORWARD_KEY_BLOCK`: 128 keys at d = 128);
   otherwise, and for FP8 caches, they are gathered first (a copy per call). When decoding (one

@@ -112,11 +112,10 @@ def flash_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     out (total_q, heads, head_dim) in q's dtype, or (out, lse) with return_lse. A query whose
     sequence has no key (len_k = 0, or a window) gets out 0 and lse +inf.
 
-  With JAX_FA3_MASKED_KERNELS=1 on a Hopper GPU the call runs on the packed arrays in place, as
-  one row of documents (see the module docstring; max_seqlen is then not needed, and a traced
-  sequence longer than it is attended whole). Otherwise it runs as a padded batch (`flash_attention` with sequence lengths: on the kernels, which skip the
-  padding's tiles, when JAX_FA3_MASKED_KERNELS=1, else on the pure-JAX path), so memory follows
-  num_seqs × max_seqlen.
+  On a Hopper GPU the call runs on the kernels on the packed arrays in place, as one row of
+  documents (see the module docstring; max_seqlen is then not needed, and a traced sequence
+  longer than it is attended whole). Elsewhere, or with JAX_FA3_MASKED_KERNELS=0, it runs as a
+  padded batch on the pure-JAX path, so memory follows num_seqs × max_seqlen.
   """
   for name, x in (("q", q), ("k", k), ("v", v)):
     check_array(name, x, rank=3)
