@@ -17,6 +17,11 @@ class AttentionConfig:
   window_right: int = -1
   softcap: float = 0.0
   deterministic: bool = False
+  # A promise about the masks' segment ids: non-decreasing along the queries and along the keys
+  # (varlen's sequence indices). Each id's keys are then one run found by binary search, and
+  # the kernels run without first checking that segments are contiguous (a device-side check
+  # whose fallback, a lax.cond, stalls the host on the GPU). The reference ignores it.
+  sorted_segments: bool = False
 
   @property
   def is_causal(self) -> bool:

@@ -65,11 +65,21 @@ def _runs_by_sort(q_segment, kv_segment):
   return _runs(first, last, count, found)
 
 
-def row_ranges(masks, s_q: int, s_k: int, window_left: int, window_right: int):
+def _sorted_runs(q_segment, kv_segment):
+  """_segment_runs for ids non-decreasing along both axes (always contiguous): binary searches,
+  unrolled so that each is one fused kernel rather than a loop of launches."""
+  lo = jnp.searchsorted(kv_segment, q_segment, side="left", method="scan_unrolled")
+  hi = jnp.searchsorted(kv_segment, q_segment, side="right", method="scan_unrolled")
+  return lo.astype(jnp.int32), hi.astype(jnp.int32), jnp.bool_(True)
+
+
+def row_ranges(masks, s_q: int, s_k: int, window_left: int, window_right: int,
+               sorted_segments: bool = False):
   """(lo, hi, exact) of masks (diagonals (b,) or one per query, (b, s_q)):
   int32 (b, s_q) visible keys [lo, hi) per query (lo = hi = 0 for a query
   that sees nothing) and a bool scalar, False when some segment is not one contiguous run of keys
-  (then the intervals are not the masks and the caller takes another path)."""
+  (then the intervals are not the masks and the caller takes another path). sorted_segments:
+  the caller promises segment ids non-decreasing along queries and keys (AttentionConfig)."""
   q_lengths, kv_lengths, diagonals = (jnp.asarray(x, jnp.int32) for x in masks[:3])
   query = jnp.arange(s_q, dtype=jnp.int32)[None]
   # Clamped so that i + diagonal +- window stays in int32 without changing any interval: past
@@ -86,12 +96,41 @@ def row_ranges(masks, s_q: int, s_k: int, window_left: int, window_right: int):
     hi = jnp.minimum(hi, centre + min(window_right, 4 * reach) + 1)
   exact = jnp.bool_(True)
   if len(masks) > 3:
-    seg_lo, seg_hi, contiguous = jax.vmap(_segment_runs)(masks[3], masks[4])
+    runs = _sorted_runs if sorted_segments else _segment_runs
+    seg_lo, seg_hi, contiguous = jax.vmap(runs)(masks[3], masks[4])
     lo, hi = jnp.maximum(lo, seg_lo), jnp.minimum(hi, seg_hi)
     exact = jnp.all(contiguous)
   lo, hi = jnp.clip(lo, 0, s_k), jnp.clip(hi, 0, s_k)
   sees = (query < q_lengths[:, None]) & (lo < hi)
   return jnp.where(sees, lo, 0), jnp.where(sees, hi, 0), exact
+
+
+# Up to this many query rows the covers are one max-reduction over (granule, cover, row) rather
+# than per-granule reductions and two scans: one kernel launch instead of four or five, which
+# is what a decoding call's few rows pay for (its K/V stream takes ~20 us).
+ONE_REDUCTION_ROWS = 1024
+
+
+def _covers_by_one_reduction(lo, hi, s_q: int, s_k: int):
+  """kernel_operands' covers from padded lo, hi (b, s_pad), each a max over rows of a masked
+  value (a min written as -max(-x)): reach over the rows of the granule's and later (lo) or
+  earlier (hi) granules, full over the granule's real rows."""
+  s_pad = lo.shape[1]
+  granule = jnp.arange(s_pad // GRANULE, dtype=jnp.int32)[:, None]  # (G, 1)
+  row = jnp.arange(s_pad, dtype=jnp.int32)[None, :]                 # (1, s_pad)
+  first, end = granule * GRANULE, granule * GRANULE + GRANULE
+  lo, hi = lo[:, None, :], hi[:, None, :]                           # (b, 1, s_pad)
+  sees = lo < hi
+  by_cover = (
+      jnp.where(sees & (row >= first), -lo, -s_k),                  # reach_lo = -max(-lo)
+      jnp.where(sees & (row < end), hi, 0),                         # reach_hi
+      jnp.where((row >= first) & (row < end) & (row < s_q), lo, 0),  # full_lo
+      jnp.where((row >= first) & (row < end) & (row < s_q), -hi, -s_k),  # full_hi = -max(-hi)
+  )
+  covers = jnp.max(jnp.stack(by_cover, axis=2), axis=3)  # (b, G, 4)
+  cover = jnp.arange(4, dtype=jnp.int32)  # an iota, not a constant (custom_partitioning)
+  sign = jnp.where((cover == 0) | (cover == 3), -1, 1)
+  return (covers * sign).astype(jnp.int32)
 
 
 def kernel_operands(lo, hi, s_k: int):
@@ -104,6 +143,8 @@ def kernel_operands(lo, hi, s_k: int):
   lo = jnp.pad(lo, ((0, 0), (0, s_pad - s_q)))
   hi = jnp.pad(hi, ((0, 0), (0, s_pad - s_q)))
   ranges = jnp.stack([lo, hi], axis=-1).astype(jnp.int32)
+  if s_pad <= ONE_REDUCTION_ROWS:
+    return ranges, _covers_by_one_reduction(lo, hi, s_q, s_k)
   granules = s_pad // GRANULE
   real = (jnp.arange(s_pad) < s_q).reshape(1, granules, GRANULE)
   lo_g, hi_g = lo.reshape(b, granules, GRANULE), hi.reshape(b, granules, GRANULE)

@@ -143,7 +143,8 @@ def backward_local(q, k, v, out, lse, dout, cfg: AttentionConfig, dlse=None):
 # run on the kernels' key-range variants (cuda/common/key_ranges.h), which skip the tiles no query
 # sees: every mask is folded into one interval of keys per query (jax_fa3._key_ranges). Segment
 # ids qualify when each query's segment is one contiguous run of keys (packed documents, padding
-# with its own id); otherwise the call takes the pure-JAX path, decided on the device (lax.cond).
+# with its own id); otherwise the call takes the pure-JAX path, decided on the device (lax.cond;
+# skipped where the caller promises sorted ids, AttentionConfig.sorted_segments).
 # They run by default on Hopper (tests/test_gpu_masked.py holds them to the plain kernels bit for
 # bit and to the float64 oracle); JAX_FA3_MASKED_KERNELS=0 sends these calls to the pure-JAX path.
 MASKED_KERNELS_ENV = "JAX_FA3_MASKED_KERNELS"
@@ -177,9 +178,10 @@ def _on_key_ranges(kernel, ref, cfg: AttentionConfig, num_arrays: int):
   def run(*arrays_and_masks):
     arrays, masks = arrays_and_masks[:num_arrays], arrays_and_masks[num_arrays:]
     s_q, s_k = arrays[0].shape[1], arrays[1].shape[1]
-    lo, hi, exact = _key_ranges.row_ranges(masks, s_q, s_k, cfg.window_left, cfg.window_right)
+    lo, hi, exact = _key_ranges.row_ranges(masks, s_q, s_k, cfg.window_left, cfg.window_right,
+                                           cfg.sorted_segments)
     operands = _key_ranges.kernel_operands(lo, hi, s_k)
-    if len(masks) == 3:  # lengths and diagonals are always one interval
+    if len(masks) == 3 or cfg.sorted_segments:  # always one interval per query
       return kernel(*arrays, *operands)
     return jax.lax.cond(exact, lambda: kernel(*arrays, *operands), lambda: ref(*arrays, *masks))
 

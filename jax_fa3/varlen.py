@@ -17,6 +17,8 @@ head_dim) arrays. Two routes, one result:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -64,7 +66,8 @@ def _padded_positions(cu, lengths, max_seqlen, total):
 def _sequence_of_tokens(cu, total):
   """int32 (total,): the sequence each packed token belongs to (num_seqs past cu[-1])."""
   token = jnp.arange(total, dtype=jnp.int32)
-  return jnp.searchsorted(cu[1:], token, side="right").astype(jnp.int32)
+  sequence = jnp.searchsorted(cu[1:], token, side="right", method="scan_unrolled")
+  return sequence.astype(jnp.int32)
 
 
 def _packed_attention(q, k, v, cu_q, cu_k, cfg, return_lse):
@@ -78,6 +81,9 @@ def _packed_attention(q, k, v, cu_q, cu_k, cfg, return_lse):
   diagonals = ends[q_sequence][None]
   masks = (jnp.clip(cu_q[-1:], 0, total_q), jnp.clip(cu_k[-1:], 0, total_k), diagonals,
            q_sequence[None], k_sequence[None])
+  # Sequence indices never decrease along the tokens (cu_seqlens do not; a traced decreasing
+  # one breaks the function's contract and gets in-bounds garbage, not a fallback).
+  cfg = dataclasses.replace(cfg, sorted_segments=True)
   result = masked_attention(q[None], k[None], v[None], masks, cfg, return_lse)
   if not return_lse:
     return result[0]

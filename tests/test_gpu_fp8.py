@@ -392,8 +392,10 @@ def test_fp8_gradients_on_kernels(backward, d, h_k, causal):
   w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
 
   def grads(attn):
+    # value_and_grad, as a training step: under jax.grad alone "recompute" needs no fp8 forward
+    # (its residuals are q, k, v) and XLA drops it.
     loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) * w)
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return jax.jit(lambda q, k, v: jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)[1])
 
   fp8_grads = grads(lambda q, k, v: fp8.flash_attention_fp8(q, k, v, causal=causal,
                                                              backward=backward))

@@ -24,15 +24,13 @@ def _kernels_forced(monkeypatch):
   monkeypatch.setattr(_ffi, "flash_bwd_workspace_bytes", lambda *args: 1024)
 
 
-def _ffi_calls(fn, *args):
-  """{target: [operand avals (shape, dtype)]} of every FFI call in fn's jaxpr, nested ones too."""
-  calls = {}
+def _equations(fn, *args):
+  """Every equation of fn's jaxpr, those of nested jaxprs too."""
+  found = []
 
   def walk(jaxpr):
     for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "ffi_call":
-        calls.setdefault(eqn.params["target_name"], []).append(
-            [(tuple(v.aval.shape), np.dtype(v.aval.dtype)) for v in eqn.invars])
+      found.append(eqn)
       for param in eqn.params.values():
         for sub in param if isinstance(param, (tuple, list)) else (param,):
           inner = getattr(sub, "jaxpr", sub)
@@ -40,6 +38,16 @@ def _ffi_calls(fn, *args):
             walk(inner)
 
   walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+def _ffi_calls(fn, *args):
+  """{target: [operand avals (shape, dtype)]} of every FFI call in fn's jaxpr, nested ones too."""
+  calls = {}
+  for eqn in _equations(fn, *args):
+    if eqn.primitive.name == "ffi_call":
+      calls.setdefault(eqn.params["target_name"], []).append(
+          [(tuple(v.aval.shape), np.dtype(v.aval.dtype)) for v in eqn.invars])
   return calls
 
 
@@ -83,6 +91,15 @@ def test_varlen_builds_one_row_of_documents(lens_k):
   assert fwd[0] == ((1,) + q.shape, q.dtype) and fwd[1] == ((1,) + kv.shape, kv.dtype)
   assert fwd[3:] == _key_range_operands(1, q.shape[0])
   assert len(calls["jax_fa3_flash_bwd_key_ranges"]) == 1
+  # Sequence indices are sorted, so no device-side contiguity check and fallback: a lax.cond
+  # on the GPU copies its predicate to the host and stalls the launches behind it; nor a loop
+  # of one launch per step (searchsorted's default method).
+  eqns = _equations(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+  platform = {v for eqn in eqns if eqn.primitive.name == "platform_index" for v in eqn.outvars}
+  on_data = [eqn.primitive.name for eqn in eqns
+             if eqn.primitive.name in ("while", "sort")
+             or (eqn.primitive.name == "cond" and eqn.invars[0] not in platform)]
+  assert not on_data, on_data
 
 
 @pytest.mark.parametrize("splits", [1, 2])

@@ -52,6 +52,20 @@ def test_covers_bound_every_granule(case):
       assert sees[r, g, :rows][:, inside].all()
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[6]],
+                         ids=[f"{c[0]}-w{c[4]},{c[5]}" for c in CASES if c[6]])
+def test_covers_one_reduction_equals_scans(case, monkeypatch):
+  # Few rows (decoding) take one reduction, many rows per-granule reductions and scans: the
+  # same covers either way.
+  _, masks, s_q, s_k, wl, wr, _ = case
+  lo, hi, _ = _key_ranges.row_ranges(masks, s_q, s_k, wl, wr)
+  assert _key_ranges.padded_rows(s_q) <= _key_ranges.ONE_REDUCTION_ROWS
+  _, by_one = _key_ranges.kernel_operands(lo, hi, s_k)
+  monkeypatch.setattr(_key_ranges, "ONE_REDUCTION_ROWS", 0)
+  _, by_scans = _key_ranges.kernel_operands(lo, hi, s_k)
+  np.testing.assert_array_equal(np.asarray(by_one), np.asarray(by_scans))
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_scatter_and_sort_paths_agree(seed):
   # Ids in [0, s_k) take the scatter path; the sort path must give the same intervals and the
@@ -65,3 +79,22 @@ def test_scatter_and_sort_paths_agree(seed):
   by_sort = _key_ranges._runs_by_sort(np.int32(q), np.int32(kv))
   for a, b in zip(scatter, by_sort):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sorted_ids_path_agrees_with_the_scatter_path(seed):
+  # Ids non-decreasing along queries and keys (varlen's sequence indices, cross lengths): the
+  # binary-search runs equal the general ones, including ids that only one side holds.
+  rng = np.random.default_rng(seed)
+  kv = np.sort(rng.integers(0, 9, 50)).astype(np.int32)
+  q = np.sort(rng.integers(0, 11, 37)).astype(np.int32)
+  scatter = _key_ranges._runs_by_scatter(q, kv)
+  by_search = _key_ranges._sorted_runs(q, kv)
+  assert bool(by_search[2]) and bool(scatter[2])
+  (lo_a, hi_a), (lo_b, hi_b) = (np.asarray(x) for x in scatter[:2]), (
+      np.asarray(x) for x in by_search[:2])
+  empty = lo_a >= hi_a  # an id the keys lack: empty either way (row_ranges then stores (0, 0))
+  np.testing.assert_array_equal(empty, lo_b >= hi_b)
+  assert empty.any() and (~empty).any()
+  np.testing.assert_array_equal(lo_a[~empty], lo_b[~empty])
+  np.testing.assert_array_equal(hi_a[~empty], hi_b[~empty])

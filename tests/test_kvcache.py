@@ -346,3 +346,10 @@ def test_split_and_packing_choices():
   assert 1 < chosen <= (1 << 17) // _cache_attention.MIN_KEYS_PER_SPLIT
   assert (1 << 17) % chosen == 0
   assert _cache_attention.num_splits(0, 1, 8, 4, 1024, causal, True) <= 2
+  # One round of the persistent grid beats two of half-length pieces: b = 1 and 4 kv heads on
+  # 132 SMs take 32 pieces (128 tiles), b = 8 four (128 tiles), b = 64 (256 tiles) none.
+  on_h200 = lambda b, capacity, unit=1: _cache_attention._fastest_split(
+      4 * b, capacity, capacity // unit, 132)
+  assert on_h200(1, 1 << 15) == 32 and on_h200(1, 1 << 17) == 32
+  assert on_h200(8, 1 << 15) == 4 and on_h200(64, 1 << 15) == 1
+  assert on_h200(1, 1 << 15, unit=4096) == 8  # whole pages: a divisor of the 8 pages
