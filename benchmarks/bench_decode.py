@@ -10,6 +10,13 @@ appending the token's k/v, caches donated), `cudnn` / `xla` (`jax.nn.dot_product
 kv_heads · d · 2 tensors · 2 bytes) over its time; `copy` is the measured device copy bandwidth
 (read + write of a 2 GiB buffer), the ceiling decoding can approach.
 
+Two times per call:
+  us          one jitted call per step, back to back: what a loop in Python that dispatches the
+              attention alone pays (at batch 1 mostly the host's dispatch and launches);
+  loop_us     DECODE_STEPS calls inside one jitted `fori_loop`, each step's query fed by the
+              last step's output and its lengths moving by one (nothing loop-invariant to
+              hoist): what a compiled decoding step pays, with no host round trip per call.
+
   python benchmarks/bench_decode.py [--batches 1,8,64] [--caches 1024,8192,32768,131072]
 """
 from __future__ import annotations
@@ -26,6 +33,18 @@ from jax_fa3 import _bench
 
 HEADS, KV_HEADS, D = 32, 4, 128
 PAGE = 256  # keys per page of the paged peer (a multiple of the d = 128 kernel's key block)
+DECODE_STEPS = 32
+
+
+def looped(fn, steps=DECODE_STEPS):
+  """(q, k_cache, v_cache, lengths) -> q after `steps` calls of fn in one compiled loop."""
+  @jax.jit
+  def run(q, k_cache, v_cache, lengths):
+    def step(i, q):
+      out = fn(q, k_cache, v_cache, lengths - i % 2)
+      return q + (out * 1e-3).astype(q.dtype)
+    return jax.lax.fori_loop(0, steps, step, q)
+  return run
 
 
 def copy_bandwidth(min_time) -> float:
@@ -102,6 +121,9 @@ def run(batches, caches, min_time):
           else:
             out = fn(q, k_cache, v_cache, lengths)
             seconds = _bench.median_seconds(fn, q, k_cache, v_cache, lengths, min_time=min_time)
+            loop = _bench.median_seconds(looped(fn), q, k_cache, v_cache, lengths,
+                                         min_time=min_time) / DECODE_STEPS
+            row.update(loop_us=loop * 1e6, loop_gb_per_s=cache_bytes / loop / 1e9)
           out = np.asarray(out, np.float32)
           if reference is None:
             reference = out
@@ -122,9 +144,14 @@ def table(rows, copy_gbs) -> str:
     cells = []
     for p in peers:
       r = next((r for r in rows if (r["peer"], r["batch"], r["cache"]) == (p, b, s)), None)
-      cells.append("—" if r is None or "us" not in r else f"{r['us']:.1f} ({r['gb_per_s']:.0f})")
+      if r is None or "us" not in r:
+        cells.append("—")
+        continue
+      loop = (f"; loop {r['loop_us']:.1f} ({r['loop_gb_per_s']:.0f})" if "loop_us" in r else "")
+      cells.append(f"{r['us']:.1f} ({r['gb_per_s']:.0f}){loop}")
     lines.append(f"| {b} | {s} | " + " | ".join(cells) + " |")
-  lines.append(f"\ncopy bandwidth (read + write): {copy_gbs:.0f} GB/s")
+  lines.append(f"\ncopy bandwidth (read + write): {copy_gbs:.0f} GB/s; µs per call (GB/s), one "
+               f"jitted call per step; loop: {DECODE_STEPS} steps in one compiled loop")
   return "\n".join(lines)
 
 
