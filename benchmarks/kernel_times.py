@@ -6,10 +6,12 @@ are the peers of bench_decode.py and the kinds of bench_padded.py:
 
   python benchmarks/kernel_times.py decode:jax_fa3:1:32768 padded:varlen:8192:causal
   python benchmarks/kernel_times.py padded:plain:8192 --grad
+  python benchmarks/kernel_times.py step:bf16:128:8192 step:fp8:128:8192:causal
 
   decode:PEER:BATCH:CACHE            a bench_decode.py peer (jax_fa3, jax_fa3_unsplit, ...)
   padded:KIND:SEQLEN[:causal]        a bench_padded.py kind (plain, full, varlen, ...), the
                                      forward, or with --grad the forward + backward
+  step:PEER:HEAD_DIM:SEQLEN[:causal] a bench_step.py peer's training step (bf16, fp8, ...)
 
 Prints, per scenario, the wall time per call (back-to-back launches), then each kernel's
 count and µs per call, longest first, the kernels' sum and the span from the first kernel's start
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_decode  # noqa: E402
 import bench_padded  # noqa: E402
+import bench_step  # noqa: E402
 from jax_fa3 import _bench  # noqa: E402
 
 
@@ -58,14 +61,24 @@ def padded_scenario(kind, seqlen, *flags, grad=False, head_dim=128):
   return (fwd_bwd if grad else fwd), qkv
 
 
+def step_scenario(peer, head_dim, seqlen, *flags):
+  d, s = int(head_dim), int(seqlen)
+  b = max(1, bench_step.TOTAL_TOKENS // s)
+  qkv = _bench.random_qkv(jax.random.PRNGKey(s + d), b, s, bench_step.WIDTH // d, d, jnp.bfloat16)
+  do = jax.random.normal(jax.random.PRNGKey(1), qkv[0].shape, jnp.float32)
+  return bench_step._step_fn(bench_step._peers("causal" in flags)[peer], do), qkv
+
+
 def parse(spec, grad):
   family, *rest = spec.split(":")
   if family == "decode" and len(rest) == 3:
     return decode_scenario(*rest)
   if family == "padded" and len(rest) >= 2:
     return padded_scenario(*rest, grad=grad)
-  raise ValueError(f"scenario {spec!r}: expected decode:PEER:BATCH:CACHE or "
-                   "padded:KIND:SEQLEN[:causal]")
+  if family == "step" and len(rest) >= 3:
+    return step_scenario(*rest)
+  raise ValueError(f"scenario {spec!r}: expected decode:PEER:BATCH:CACHE, "
+                   "padded:KIND:SEQLEN[:causal] or step:PEER:HEAD_DIM:SEQLEN[:causal]")
 
 
 def device_events(trace_dir):
