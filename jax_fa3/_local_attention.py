@@ -80,15 +80,18 @@ _FORWARD_TARGETS = {False: "jax_fa3_flash_fwd", True: "jax_fa3_flash_fwd_key_ran
 _BACKWARD_TARGETS = {False: "jax_fa3_flash_bwd", True: "jax_fa3_flash_bwd_key_ranges"}
 
 
+def _forward_results(q):
+  """A forward kernel's results: out like q, lse float32 (b, h, s_q)."""
+  b, s_q, h, _ = q.shape
+  return (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, s_q), jnp.float32))
+
+
 def _forward_kernel(cfg: AttentionConfig):
   """(q, k, v, *key_ranges) -> (out, lse) on the kernel: key_ranges empty (whole rows), or the
   (ranges, covers) of _key_ranges.kernel_operands for the masked variant."""
   def call(q, k, v, *key_ranges):
-    b, s_q, h, _ = q.shape
-    result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                    jax.ShapeDtypeStruct((b, h, s_q), jnp.float32))
-    return _ffi.call(_FORWARD_TARGETS[bool(key_ranges)], result_types, q, k, v, *key_ranges,
-                     **_window_attrs(cfg))
+    return _ffi.call(_FORWARD_TARGETS[bool(key_ranges)], _forward_results(q), q, k, v,
+                     *key_ranges, **_window_attrs(cfg))
 
   return fold_vmap_into_batch(call)
 
@@ -171,16 +174,16 @@ def _use_masked_kernel(target: str, q) -> bool:
   return _use_kernel(target, q)
 
 
-def _on_key_ranges(kernel, ref, cfg: AttentionConfig, num_arrays: int):
-  """The cuda branch over (*arrays, *masks), arrays[0] being q and arrays[1] k:
-  `kernel(*arrays, ranges, covers)` with the masks' key ranges, or, when segment ids are not
-  contiguous runs of keys, `ref(*arrays, *masks)`."""
+def _on_key_ranges(kernel, ref, cfg: AttentionConfig, num_arrays: int, s_k: int | None = None):
+  """The cuda branch over (*arrays, *masks), arrays[0] being q and arrays[1] k (or s_k given:
+  the keys per row, for a paged cache): `kernel(*arrays, ranges, covers)` with the masks' key
+  ranges, or, when segment ids are not contiguous runs of keys, `ref(*arrays, *masks)`."""
   def run(*arrays_and_masks):
     arrays, masks = arrays_and_masks[:num_arrays], arrays_and_masks[num_arrays:]
-    s_q, s_k = arrays[0].shape[1], arrays[1].shape[1]
-    lo, hi, exact = _key_ranges.row_ranges(masks, s_q, s_k, cfg.window_left, cfg.window_right,
-                                           cfg.sorted_segments)
-    operands = _key_ranges.kernel_operands(lo, hi, s_k)
+    s_q, s_k_rows = arrays[0].shape[1], arrays[1].shape[1] if s_k is None else s_k
+    lo, hi, exact = _key_ranges.row_ranges(masks, s_q, s_k_rows, cfg.window_left,
+                                           cfg.window_right, cfg.sorted_segments)
+    operands = _key_ranges.kernel_operands(lo, hi, s_k_rows)
     if len(masks) == 3 or cfg.sorted_segments:  # always one interval per query
       return kernel(*arrays, *operands)
     return jax.lax.cond(exact, lambda: kernel(*arrays, *operands), lambda: ref(*arrays, *masks))
@@ -253,10 +256,7 @@ def forward_paged(q, k_pool, v_pool, table, masks, cfg: AttentionConfig):
     return reference.attention_forward(q, keys, values, masks=masks, **cfg.kwargs())
 
   def paged_call(q, k_pool, v_pool, ranges, covers, table):
-    b, s_q, h, _ = q.shape
-    result_types = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                    jax.ShapeDtypeStruct((b, h, s_q), jnp.float32))
-    return _ffi.call(PAGED_TARGET, result_types, q, k_pool, v_pool, ranges, covers,
+    return _ffi.call(PAGED_TARGET, _forward_results(q), q, k_pool, v_pool, ranges, covers,
                      table.astype(jnp.int32), **_window_attrs(cfg))
 
   def gathered_call(q, k_pool, v_pool, ranges, covers, table):
@@ -266,11 +266,9 @@ def forward_paged(q, k_pool, v_pool, table, masks, cfg: AttentionConfig):
 
   batched = fold_vmap_into_batch(paged_call, has_batch=(True, False, False, True, True, True),
                                  unfolded=gathered_call)
-
-  def kernel(q, k_pool, v_pool, table, *masks):
-    lo, hi, _ = _key_ranges.row_ranges(masks, q.shape[1], s_k, cfg.window_left, cfg.window_right)
-    ranges, covers = _key_ranges.kernel_operands(lo, hi, s_k)
-    return batched(q, k_pool, v_pool, ranges, covers, table)
-
+  kernel = _on_key_ranges(
+      lambda q, k_pool, v_pool, table, ranges, covers: batched(q, k_pool, v_pool, ranges, covers,
+                                                               table),
+      ref, cfg, 4, s_k=s_k)
   _ffi.check_kernel_sizes(q.shape, (q.shape[0], s_k) + k_pool.shape[2:])
   return jax.lax.platform_dependent(q, k_pool, v_pool, table, *masks, cuda=kernel, default=ref)

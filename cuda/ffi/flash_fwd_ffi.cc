@@ -53,6 +53,28 @@ FlashFwdParams forward_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   return params;
 }
 
+// The checks every forward handler makes once its inputs are read into `a` and `dtype`: the
+// results' shapes and dtype, the attributes, the key ranges (when given) and that this build
+// has the kernel.
+ffi::Error check_forward_call(const char* op, ffi::Result<ffi::AnyBuffer>& out,
+                              ffi::Result<ffi::Buffer<ffi::F32>>& lse,
+                              const ffi_util::AttentionDims& a, DType dtype,
+                              ffi::DataType element_type, float softmax_scale, float softcap,
+                              int32_t window_left, int32_t window_right,
+                              const ffi::AnyBuffer* key_ranges, const ffi::AnyBuffer* key_covers) {
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(op, "out", *out, element_type, "q's shape",
+                                                     {a.b, a.s_q, a.h, a.d}));
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_shape(op, "lse", "shape (b, h, s_q) =",
+                                                    lse->dimensions(), {a.b, a.h, a.s_q}));
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_attention_scalars(op, softmax_scale, softcap,
+                                                                window_left, window_right));
+  if (key_ranges != nullptr) {
+    JAX_FA3_RETURN_IF_FFI_ERROR(
+        ffi_util::check_key_ranges(op, *key_ranges, *key_covers, a.b, a.s_q));
+  }
+  return check_compiled(op, a.d, dtype);
+}
+
 // key_ranges, key_covers: the masked variant's (common/key_ranges.h), else nullptr.
 ffi::Error flash_fwd_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                           ffi::AnyBuffer v, const ffi::AnyBuffer* key_ranges,
@@ -63,19 +85,9 @@ ffi::Error flash_fwd_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q,
   ffi_util::AttentionDims a{};
   DType dtype{};
   JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::read_16bit_attention(op, q, k, v, a, dtype));
-  const auto qt = q.element_type();
-  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(op, "out", *out, qt, "q's shape",
-                                                     {a.b, a.s_q, a.h, a.d}));
-  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_shape(op, "lse", "shape (b, h, s_q) =",
-                                                    lse->dimensions(), {a.b, a.h, a.s_q}));
-  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_attention_scalars(op, softmax_scale, softcap,
-                                                                window_left, window_right));
-  if (key_ranges != nullptr) {
-    JAX_FA3_RETURN_IF_FFI_ERROR(
-        ffi_util::check_key_ranges(op, *key_ranges, *key_covers, a.b, a.s_q));
-  }
-
-  JAX_FA3_RETURN_IF_FFI_ERROR(check_compiled(op, a.d, dtype));
+  JAX_FA3_RETURN_IF_FFI_ERROR(check_forward_call(op, out, lse, a, dtype, q.element_type(),
+                                                 softmax_scale, softcap, window_left,
+                                                 window_right, key_ranges, key_covers));
   FlashFwdParams params = forward_params(q, k, v, out, lse, a, dtype, softmax_scale, softcap,
                                          window_left, window_right, key_ranges, key_covers);
   return ffi_util::poison_and_launch(
@@ -146,15 +158,9 @@ ffi::Error flash_fwd_paged(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
   JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(op, "v_pool", v_pool, q.element_type(),
                                                      "k_pool's shape", {kd[0], kd[1], kd[2], kd[3]}));
   JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_head_dim(op, a.d));
-  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(op, "out", *out, q.element_type(),
-                                                     "q's shape", {a.b, a.s_q, a.h, a.d}));
-  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_shape(op, "lse", "shape (b, h, s_q) =",
-                                                    lse->dimensions(), {a.b, a.h, a.s_q}));
-  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_attention_scalars(op, softmax_scale, softcap,
-                                                                window_left, window_right));
-  JAX_FA3_RETURN_IF_FFI_ERROR(
-      ffi_util::check_key_ranges(op, key_ranges, key_covers, a.b, a.s_q));
-  JAX_FA3_RETURN_IF_FFI_ERROR(check_compiled(op, a.d, dtype));
+  JAX_FA3_RETURN_IF_FFI_ERROR(check_forward_call(op, out, lse, a, dtype, q.element_type(),
+                                                 softmax_scale, softcap, window_left,
+                                                 window_right, &key_ranges, &key_covers));
   const int bucket = head_dim_bucket(static_cast<int>(a.d));
   if (page_size % forward_key_block(bucket) != 0) {
     return invalid(op, ": page_size must be a multiple of ", forward_key_block(bucket),
