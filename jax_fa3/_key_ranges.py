@@ -57,8 +57,8 @@ def _runs_by_sort(q_segment, kv_segment):
   s_k = kv_segment.shape[0]
   order = jnp.argsort(kv_segment, stable=True).astype(jnp.int32)
   sorted_ids = kv_segment[order]
-  start = jnp.searchsorted(sorted_ids, q_segment, side="left")
-  count = jnp.searchsorted(sorted_ids, q_segment, side="right") - start
+  start = jnp.searchsorted(sorted_ids, q_segment, side="left", method="scan_unrolled")
+  count = jnp.searchsorted(sorted_ids, q_segment, side="right", method="scan_unrolled") - start
   found = count > 0
   first = order[jnp.minimum(start, s_k - 1)]
   last = order[jnp.clip(start + count - 1, 0, s_k - 1)] + 1
