@@ -90,31 +90,22 @@ def num_splits(requested: int, b: int, rows: int, heads: int, capacity: int,
   return n
 
 
-def _merge_pair(first, second):
-  """Two partial merges (max lse, sum of exp(lse - max), sum of exp(lse - max) * out) -> one."""
-  (top_1, total_1, acc_1), (top_2, total_2, acc_2) = first, second
-  top = jnp.maximum(top_1, top_2)
-  safe = jnp.where(jnp.isneginf(top), 0.0, top)  # both empty: weights exp(-inf) = 0, not NaN
-  w_1, w_2 = jnp.exp(top_1 - safe), jnp.exp(top_2 - safe)
-  return top, total_1 * w_1 + total_2 * w_2, acc_1 * w_1 + acc_2 * w_2
-
-
 def _merge(out, lse, b, n):
   """Pieces (b * n, rows, heads, d) and their lse (b * n, heads, rows) -> the rows' out (float32)
   and lse. An empty piece (lse +inf) weighs 0; a row whose every piece is empty gets out 0 and
-  lse +inf. One variadic reduction over the pieces (an online log-sum-exp, as the kernels'
-  softmax), so XLA runs the merge as one kernel rather than three dependent reductions: a
-  decoding call's few rows make each launch cost more than its work."""
-  out = out.reshape((b, n) + out.shape[1:]).astype(jnp.float32)  # (b, n, rows, heads, d)
-  lse = jnp.swapaxes(lse.reshape((b, n) + lse.shape[1:]), 2, 3)  # (b, n, rows, heads)
-  lse = jnp.broadcast_to(jnp.where(jnp.isposinf(lse), -jnp.inf, lse)[..., None], out.shape)
-  init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0))
-  top, total, acc = jax.lax.reduce((lse, jnp.ones_like(out), out), init, _merge_pair, (1,))
-  top, total = top[..., 0], total[..., 0]  # the same along d
+  lse +inf."""
+  out = out.reshape((b, n) + out.shape[1:]).astype(jnp.float32)
+  lse = lse.reshape((b, n) + lse.shape[1:])
+  lse = jnp.where(jnp.isposinf(lse), -jnp.inf, lse)
+  top = lse.max(axis=1)
+  top = jnp.where(jnp.isneginf(top), 0.0, top)
+  weight = jnp.exp(lse - top[:, None])  # (b, n, heads, rows)
+  total = weight.sum(axis=1)
   empty = total == 0
-  merged_lse = jnp.where(empty, jnp.inf, top + jnp.log(jnp.where(empty, 1.0, total)))
-  merged = jnp.where(empty[..., None], 0.0, acc / jnp.where(empty, 1.0, total)[..., None])
-  return merged, jnp.swapaxes(merged_lse, 1, 2)
+  total = jnp.where(empty, 1.0, total)
+  merged_lse = jnp.where(empty, jnp.inf, top + jnp.log(total))
+  weight = jnp.swapaxes(weight / total[:, None], 2, 3)[..., None]  # (b, n, rows, heads, 1)
+  return (weight * out).sum(axis=1), merged_lse
 
 
 def _attend_rows(q, keys, values, masks, cfg: AttentionConfig, return_lse: bool):
