@@ -392,18 +392,18 @@ def test_fp8_gradients_on_kernels(backward, d, h_k, causal):
   w = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
 
   def grads(attn):
-    # value_and_grad, as a training step: under jax.grad alone "recompute" needs no fp8 forward
-    # (its residuals are q, k, v) and XLA drops it.
+    # The loss and its gradients, as a training step returns them: without the loss among the
+    # outputs, "recompute" needs no fp8 forward (its residuals are q, k, v) and XLA drops it.
     loss = lambda q, k, v: jnp.sum(attn(q, k, v).astype(jnp.float32) * w)
-    return jax.jit(lambda q, k, v: jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)[1])
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
   fp8_grads = grads(lambda q, k, v: fp8.flash_attention_fp8(q, k, v, causal=causal,
                                                              backward=backward))
   text = compiled_text(fp8_grads, q, k, v)
   assert_targets(text, {FLASH_FWD_FP8, ROTATE_QUANTIZE_FP8, FLASH_BWD})
   assert kernel_targets(text)[FLASH_FWD] == (0 if backward == "bf16" else 1), text[-3000:]
-  got = fp8_grads(q, k, v)
-  want = grads(functools.partial(attention.flash_attention, causal=causal))(q, k, v)
+  _, got = fp8_grads(q, k, v)
+  _, want = grads(functools.partial(attention.flash_attention, causal=causal))(q, k, v)
   bound = 8e-2 if backward == "bf16" else 1e-2
   for name, g, g_ref in zip("qkv", got, want):
     g, g_ref = np.asarray(g, np.float64), np.asarray(g_ref, np.float64)
