@@ -121,11 +121,12 @@ def _covers_by_one_reduction(lo, hi, s_q: int, s_k: int):
   first, end = granule * GRANULE, granule * GRANULE + GRANULE
   lo, hi = lo[:, None, :], hi[:, None, :]                           # (b, 1, s_pad)
   sees = lo < hi
+  real_in_granule = (row >= first) & (row < end) & (row < s_q)
   by_cover = (
-      jnp.where(sees & (row >= first), -lo, -s_k),                  # reach_lo = -max(-lo)
-      jnp.where(sees & (row < end), hi, 0),                         # reach_hi
-      jnp.where((row >= first) & (row < end) & (row < s_q), lo, 0),  # full_lo
-      jnp.where((row >= first) & (row < end) & (row < s_q), -hi, -s_k),  # full_hi = -max(-hi)
+      jnp.where(sees & (row >= first), -lo, -s_k),      # reach_lo = -max(-lo)
+      jnp.where(sees & (row < end), hi, 0),             # reach_hi
+      jnp.where(real_in_granule, lo, 0),                # full_lo
+      jnp.where(real_in_granule, -hi, -s_k),            # full_hi = -max(-hi)
   )
   covers = jnp.max(jnp.stack(by_cover, axis=2), axis=3)  # (b, G, 4)
   cover = jnp.arange(4, dtype=jnp.int32)  # an iota, not a constant (custom_partitioning)

@@ -255,20 +255,18 @@ def forward_paged(q, k_pool, v_pool, table, masks, cfg: AttentionConfig):
     keys, values = _gather_pages(k_pool, table), _gather_pages(v_pool, table)
     return reference.attention_forward(q, keys, values, masks=masks, **cfg.kwargs())
 
-  def paged_call(q, k_pool, v_pool, ranges, covers, table):
+  # Arguments in _on_key_ranges' order: the arrays (table among them), then ranges and covers.
+  def paged_call(q, k_pool, v_pool, table, ranges, covers):
     return _ffi.call(PAGED_TARGET, _forward_results(q), q, k_pool, v_pool, ranges, covers,
                      table.astype(jnp.int32), **_window_attrs(cfg))
 
-  def gathered_call(q, k_pool, v_pool, ranges, covers, table):
+  def gathered_call(q, k_pool, v_pool, table, ranges, covers):
     # vmap over the pools themselves: each lane's pages gathered, on the key-range kernel.
     keys, values = _gather_pages(k_pool, table), _gather_pages(v_pool, table)
     return _forward_kernel(cfg)(q, keys, values, ranges, covers)
 
   batched = fold_vmap_into_batch(paged_call, has_batch=(True, False, False, True, True, True),
                                  unfolded=gathered_call)
-  kernel = _on_key_ranges(
-      lambda q, k_pool, v_pool, table, ranges, covers: batched(q, k_pool, v_pool, ranges, covers,
-                                                               table),
-      ref, cfg, 4, s_k=s_k)
+  kernel = _on_key_ranges(batched, ref, cfg, 4, s_k=s_k)
   _ffi.check_kernel_sizes(q.shape, (q.shape[0], s_k) + k_pool.shape[2:])
   return jax.lax.platform_dependent(q, k_pool, v_pool, table, *masks, cuda=kernel, default=ref)
