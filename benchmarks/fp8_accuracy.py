@@ -19,6 +19,13 @@ kernels once `jax_fa3_flash_fwd_fp8` exists.
 
   PYTHONPATH=. python benchmarks/fp8_accuracy.py [--seqlen 1024 --heads 4 --json out.json]
 
+--backward measures gradients instead: the relative RMSE (RMSE / RMS of the reference) of dq, dk
+and dv against float64 attention's, for dO ~ N(0, 1), of
+  bf16_exact      flash_attention's backward (at the unquantized inputs)
+  fp8_bf16        flash_attention_fp8(backward="bf16"): the bf16 backward at the fp8 operands
+  fp8_fp8         flash_attention_fp8(backward="fp8"): three of five GEMMs in e4m3
+  fp8_fp8_norot   the same without the rotation
+
 --v-mean m adds m to every element of V (not in the paper): the kernel's PV accumulation on the
 tensor cores keeps ~13 mantissa bits, which zero-mean V hides and a mean exposes, more so with
 more keys (docs/CONTRACTS.md; e.g. --v-mean 2 --seqlen 4096 --head-dims 128).
@@ -103,6 +110,62 @@ def measure(d, causal, *, batch, heads, seqlen, seed, v_mean=0.0, methods=METHOD
   return row
 
 
+GRAD_METHODS = {
+    "bf16_exact": lambda q, k, v, causal, signs: jax_fa3.flash_attention(q, k, v, causal=causal),
+    "fp8_bf16": lambda q, k, v, causal, signs: fp8.flash_attention_fp8(
+        q, k, v, causal=causal, signs=signs, backward="bf16"),
+    "fp8_fp8": lambda q, k, v, causal, signs: fp8.flash_attention_fp8(
+        q, k, v, causal=causal, signs=signs, backward="fp8"),
+    "fp8_fp8_norot": lambda q, k, v, causal, signs: fp8.flash_attention_fp8(
+        q, k, v, causal=causal, incoherent=False, backward="fp8"),
+}
+
+
+def relative_rmse(got, ref):
+  return rmse(got, ref) / float(np.sqrt(np.mean(ref ** 2)))
+
+
+def measure_gradients(d, causal, *, batch, heads, seqlen, seed, v_mean=0.0):
+  q, k, v = outlier_inputs(seed + d, batch, seqlen, heads, d, v_mean=v_mean)
+  dout = jnp.asarray(np.random.default_rng(seed + d + 1).standard_normal(q.shape), jnp.bfloat16)
+  signs = jax.random.rademacher(jax.random.PRNGKey(seed), (d,), dtype=jnp.float32)
+  f64 = [x.astype(jnp.float64) for x in (q, k, v)]
+  window_right = 0 if causal else -1
+  ref_out, ref_lse = reference.attention_forward(*f64, softmax_scale=1 / np.sqrt(d),
+                                                 window_right=window_right)
+  refs = [np.asarray(g) for g in reference.attention_backward(
+      *f64, ref_out, ref_lse, dout.astype(jnp.float64), softmax_scale=1 / np.sqrt(d),
+      window_right=window_right)]
+  row = {"d": d, "causal": causal}
+  for name, attn in GRAD_METHODS.items():
+    loss = lambda q, k, v, dout: jnp.sum(attn(q, k, v, causal, signs).astype(jnp.float32)
+                                         * dout.astype(jnp.float32))
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v, dout)
+    for grad_name, g, ref in zip(("dq", "dk", "dv"), grads, refs):
+      row[f"{name}_{grad_name}"] = relative_rmse(g, ref)
+  return row
+
+
+def main_gradients(args, backend):
+  print(f"FP8 attention gradients: b={args.batch} h={args.heads} s={args.seqlen}, fp8 forward: "
+        f"{backend}, jax {jax.__version__} on {jax.devices()[0].platform}")
+  print("inputs N(0,1) + N(0, var 100)·Bernoulli(0.001), bf16, dO ~ N(0, 1); relative RMSE of "
+        "dq / dk / dv vs float64 attention's gradients\n")
+  names = list(GRAD_METHODS)
+  header = f"{'d':>4} {'causal':>6} | " + " | ".join(f"{n:^20}" for n in names)
+  print(header)
+  print("-" * len(header))
+  rows = []
+  for d in args.head_dims:
+    for causal in (False, True):
+      r = measure_gradients(d, causal, batch=args.batch, heads=args.heads, seqlen=args.seqlen,
+                            seed=args.seed, v_mean=args.v_mean)
+      rows.append(r)
+      cells = [" ".join(f"{r[f'{n}_{g}']:.1e}" for g in ("dq", "dk", "dv")) for n in names]
+      print(f"{d:>4} {str(causal):>6} | " + " | ".join(f"{c:^20}" for c in cells), flush=True)
+  return rows
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--batch", type=int, default=1)
@@ -111,10 +174,21 @@ def main():
   parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--v-mean", type=float, default=0.0, help="added to every element of V")
+  parser.add_argument("--backward", action="store_true", help="measure gradients (see above)")
   parser.add_argument("--json", default="fp8_accuracy.json")
   args = parser.parse_args()
 
   backend = "kernels" if _fp8_forward.kernel_unavailable_reason() is None else "pure-JAX emulation"
+  if args.backward:
+    rows = main_gradients(args, backend)
+    result = {"config": {**vars(args), "fp8_path": backend, "jax": jax.__version__,
+                         "platform": jax.devices()[0].platform, "machine": platform.machine()},
+              "rows": rows}
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+      print(f"wrote {args.json}")
+    return
   print(f"FP8 attention accuracy (FA3 Table 3): b={args.batch} h={args.heads} s={args.seqlen}, "
         f"fp8 path: {backend}, jax {jax.__version__} on {jax.devices()[0].platform}")
   print("inputs N(0,1) + N(0, var 100)·Bernoulli(0.001), bf16; RMSE vs float64 attention"

@@ -119,7 +119,7 @@ def attention_config(q, k, v, *, softmax_scale, causal, window_size, softcap,
       deterministic=bool(deterministic))
 
 
-FP8_BACKWARDS = ("bf16", "recompute")  # flash_attention_fp8(backward=...), see jax_fa3.fp8
+FP8_BACKWARDS = ("bf16", "recompute", "fp8")  # flash_attention_fp8(backward=...), see jax_fa3.fp8
 
 
 def check_fp8_backward(backward, name="backward") -> str:

@@ -4,11 +4,12 @@
 The pieces below the API: `jax_fa3._fp8_quantize` (rotation and quantization passes, a fused CUDA
 pass on Hopper, XLA elsewhere), `jax_fa3._fp8_forward` (the kernel call, or its emulation off
 Hopper) and `jax_fa3._fp8_emulation` (the kernel's numerics, written out in pure JAX). The call
-from floats runs as one partitioned op (`jax_fa3._partitioning`). Gradients are straight-through
-through the quantization, by the bf16/fp16/fp32 backward kernel (`jax_fa3.attention`):
-`backward="bf16"` runs it at the rotated, quantized q and k from the fp8 forward's own output and
+from floats runs as one partitioned op (`jax_fa3._partitioning`). Gradients pass straight
+through the quantization: `backward="bf16"` runs the bf16/fp16/fp32 backward kernel
+(`jax_fa3.attention`) at the rotated, quantized q and k from the fp8 forward's own output and
 log-sum-exp, `"recompute"` recomputes the unquantized forward first so that the gradient is
-exactly `flash_attention`'s.
+exactly `flash_attention`'s; `"fp8"` runs the fp8 backward's numerics
+(`jax_fa3._fp8_backward_emulation`, in pure JAX until its kernel exists).
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fa3 import _fp8_forward, _fp8_quantize, _local_attention, _partitioning, attention
+from jax_fa3 import _ffi, _fp8_forward, _fp8_quantize, _local_attention, _partitioning, attention
+from jax_fa3._fp8_backward_emulation import emulated_backward
 from jax_fa3._config import DEFAULT_BLOCK_SIZE, AttentionConfig, Fp8Config
 from jax_fa3._fp8_quantize import E4M3, FP8_INPUT_DTYPES
 from jax_fa3.hadamard import hadamard_transform
@@ -164,6 +166,9 @@ def _fp8_attention_fwd(q, k, v, signs, cfg, backward):
   if backward == "recompute":
     out, lse = _fp8_from_float(q, k, v, signs, cfg)
     return (out, lse), (q, k, v, signs, None)
+  if backward == "fp8":  # q and k as given: the backward quantizes them again, as the forward did
+    out, lse = _fp8_from_float(q, k, v, signs, cfg)
+    return (out, lse), (q, k, v, signs, (out, lse))
   out, lse, q_used, k_used = _fp8_from_float(q, k, v, signs, cfg, with_operands=True)
   return (out, lse), (q_used, k_used, v, signs, (out, lse))
 
@@ -183,18 +188,36 @@ def _backward_at_operands_local(q, k, v, out, lse, dout, signs, cfg: Fp8Config, 
   return _rotate_back(dq, signs, cfg), _rotate_back(dk, signs, cfg), dv
 
 
-def _backward_at_operands_dlse_local(q, k, v, out, lse, dout, dlse, signs, cfg: Fp8Config):
-  return _backward_at_operands_local(q, k, v, out, lse, dout, signs, cfg, dlse=dlse)
+def _fp8_backward_local(q, k, v, out, lse, dout, signs, cfg: Fp8Config, dlse=None):
+  """backward="fp8" on one device's blocks: q and k rotated and quantized again (the same e4m3
+  values and scales as the forward's), the fp8 backward's numerics (`jax_fa3._fp8_backward_emulation`;
+  no kernel yet, so its pure-JAX form everywhere), dq and dk rotated back."""
+  _ffi.announce_once("fp8-backward", "jax_fa3: backward=\"fp8\" runs the pure-JAX emulation of the "
+                     "fp8 backward (no fp8 backward kernel is built yet)")
+  q8, q_scale = _fp8_quantize.rotate_quantize(q, signs, cfg.incoherent, cfg.block_size)
+  k8, k_scale = _fp8_quantize.rotate_quantize(k, signs, cfg.incoherent, cfg.block_size)
+  dq, dk, dv = emulated_backward(q8, q_scale, k8, k_scale, v, out, lse, dout, cfg, dlse=dlse)
+  return (_rotate_back(dq, signs, cfg).astype(q.dtype), _rotate_back(dk, signs, cfg).astype(k.dtype),
+          dv.astype(v.dtype))
 
 
-# Like jax_fa3.attention's BACKWARD ops, with the rotation's signs; a sequence split is gathered,
-# as for the fp8 forward.
-FP8_BACKWARD = _partitioning.AttentionOp(
-    "flash_bwd_fp8_operands", ("q", "kv", "kv", "q", "row", "q", "vec"), ("q", "kv", "kv"),
-    _backward_at_operands_local, split_queries=False)
-FP8_BACKWARD_DLSE = _partitioning.AttentionOp(
-    "flash_bwd_fp8_operands_dlse", ("q", "kv", "kv", "q", "row", "q", "row", "vec"),
-    ("q", "kv", "kv"), _backward_at_operands_dlse_local, split_queries=False)
+def _backward_ops(name, local):
+  """The partitioned ops of one backward, without and with an lse cotangent: like
+  jax_fa3.attention's BACKWARD ops, with the rotation's signs; a sequence split is gathered, as
+  for the fp8 forward."""
+  def local_dlse(q, k, v, out, lse, dout, dlse, signs, cfg: Fp8Config):
+    return local(q, k, v, out, lse, dout, signs, cfg, dlse=dlse)
+
+  operands = ("q", "kv", "kv", "q", "row", "q")
+  return (_partitioning.AttentionOp(name, operands + ("vec",), ("q", "kv", "kv"), local,
+                                    split_queries=False),
+          _partitioning.AttentionOp(name + "_dlse", operands + ("row", "vec"), ("q", "kv", "kv"),
+                                    local_dlse, split_queries=False))
+
+
+# (without dlse, with dlse) per backward taking the fp8 forward's out and lse.
+BACKWARD_OPS = {"bf16": _backward_ops("flash_bwd_fp8_operands", _backward_at_operands_local),
+                "fp8": _backward_ops("flash_bwd_fp8", _fp8_backward_local)}
 
 
 def _fp8_attention_bwd(cfg, backward, residuals, cotangents):
@@ -205,11 +228,10 @@ def _fp8_attention_bwd(cfg, backward, residuals, cotangents):
   if saved is None:
     out, lse = attention.partitioned_forward(q, k, v, cfg.attention)
     dq, dk, dv = attention.partitioned_backward(q, k, v, out, lse, dout, cfg.attention, dlse=dlse)
-  elif dlse is None:
-    dq, dk, dv = _partitioning.call_partitioned(FP8_BACKWARD, (q, k, v, *saved, dout, signs), cfg)
   else:
-    dq, dk, dv = _partitioning.call_partitioned(FP8_BACKWARD_DLSE,
-                                                (q, k, v, *saved, dout, dlse, signs), cfg)
+    plain, with_dlse = BACKWARD_OPS[backward]
+    op, extra = (plain, ()) if dlse is None else (with_dlse, (dlse,))
+    dq, dk, dv = _partitioning.call_partitioned(op, (q, k, v, *saved, dout, *extra, signs), cfg)
   return dq, dk, dv, jnp.zeros_like(signs)
 
 
@@ -285,15 +307,20 @@ def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_siz
       output row that sees a key. Centre v whose values share a sign: the fp8 tensor cores
       accumulate P·V with about 13 mantissa bits, so an uncentred V with a large mean comes out
       low at long sequences (docs/CONTRACTS.md). Arrays are centred by the call itself.
-    backward: how gradients are computed (arrays only; pairs are not differentiable), both by
-      the bf16/fp16/fp32 backward kernel of `flash_attention`:
-      "bf16" (default): the backward runs at the rotated, quantized q and k the fp8 kernel
-        multiplied (rotating their gradients back) and starts from this call's own output and
-        log-sum-exp, so a training step costs the fp8 forward plus one backward. It is the
-        gradient of the function computed, with the rounding of q, k, P and v passed straight
-        through; it differs from flash_attention's by about the output's fp8 error.
+    backward: how gradients are computed (arrays only; pairs are not differentiable):
+      "bf16" (default): the bf16/fp16/fp32 backward kernel of `flash_attention` runs at the
+        rotated, quantized q and k the fp8 kernel multiplied (rotating their gradients back) and
+        starts from this call's own output and log-sum-exp, so a training step costs the fp8
+        forward plus one backward. It is the gradient of the function computed, with the
+        rounding of q, k, P and v passed straight through; it differs from flash_attention's by
+        about the output's fp8 error.
       "recompute": the unquantized forward runs again first, and the gradient is exactly that of
         `flash_attention(q, k, v)`, at the cost of a second (bf16) forward.
+      "fp8": like "bf16", with three of the backward's five GEMMs in e4m3 (S, dV, dK; numerics in
+        `jax_fa3._fp8_backward_emulation`). On FlashAttention-3's outlier inputs its gradient
+        errors are those of "bf16" times 0.99-1.01 (dq), 1.03-1.11 (dk) and 1.20-1.39 (dv)
+        (benchmarks/fp8_accuracy.py --backward). There is no fp8 backward kernel yet: it runs a pure-JAX emulation on every
+        platform, slower than "bf16" on a GPU.
 
   Returns:
     out (batch, seqlen_q, heads, head_dim) in q's dtype (bfloat16 for pre-quantized inputs), or

@@ -192,7 +192,7 @@ def _fp8_linen():
   return x, fp8_layer, exact_layer, variables
 
 
-@pytest.mark.parametrize("fp8_backward", ["bf16", "recompute"])
+@pytest.mark.parametrize("fp8_backward", ["bf16", "recompute", "fp8"])
 def test_fp8_linen_layer_close_to_exact_and_differentiable(fp8_backward):
   x, _, exact_layer, variables = _fp8_linen()
   layer = fx.linen.MultiHeadDotProductAttention(num_heads=2, causal=True, fp8=True,
@@ -205,10 +205,10 @@ def test_fp8_linen_layer_close_to_exact_and_differentiable(fp8_backward):
                                     variables["params"], x, cotangent)
   assert out.dtype == F32
   assert _rel(out, ref) < FP8_TOL
-  if fp8_backward == "bf16":
-    _assert_close_gradients(grads, ref_grads)
-  else:
+  if fp8_backward == "recompute":
     _assert_straight_through(grads, ref_grads, out_kernel_path="['out']['kernel']")
+  else:
+    _assert_close_gradients(grads, ref_grads)
 
 
 def _assert_close_gradients(grads, ref_grads):

@@ -500,7 +500,7 @@ _Q, _K, _V = _normal(11, (1, 8, 2, 16), (1, 8, 1, 16), (1, 8, 1, 16))
      "key .* or signs, not both"),
     ((_Q, _K, _V), {"key": 3}, TypeError, "key must be a JAX PRNG key"),
     ((_Q, _K, _V), {"backward": "fp32"}, ValueError,
-     r"backward must be one of \('bf16', 'recompute'\), got 'fp32'"),
+     r"backward must be one of \('bf16', 'recompute', 'fp8'\), got 'fp32'"),
     ((quantize_fp8(_Q), _K, _V), {}, TypeError, "all arrays or all \\(values, scales\\) pairs"),
     ((quantize_fp8(_Q), quantize_fp8(_K), quantize_fp8(_V, block_size=None)), {}, ValueError,
      "incoherent=False"),

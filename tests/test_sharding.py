@@ -187,16 +187,18 @@ def test_vmap_composes_with_the_partitioning_rules():
   assert all(n == 0 for n in collectives(hlo).values()), collectives(hlo)
 
 
-def fp8_fwd_bwd(q, k, v, ct):
+def fp8_fwd_bwd(q, k, v, ct, backward="bf16"):
   """flash_attention_fp8 (emulated here: same partitioned op as the kernel path) and its
   straight-through gradients."""
-  fn = lambda q, k, v: jax_fa3.flash_attention_fp8(q, k, v, causal=True, key=jax.random.key(3))
+  fn = lambda q, k, v: jax_fa3.flash_attention_fp8(q, k, v, causal=True, key=jax.random.key(3),
+                                                   backward=backward)
   out, vjp = jax.vjp(fn, q, k, v)
   return (out,) + vjp(ct)
 
 
-@pytest.mark.parametrize("kind", MESH_KINDS)
-def test_fp8_batch_and_head_sharding_run_locally(kind):
+@pytest.mark.parametrize("kind,backward", [(kind, "bf16") for kind in MESH_KINDS]
+                         + [(MESH_KINDS[0], "fp8")])
+def test_fp8_batch_and_head_sharding_run_locally(kind, backward):
   """Scales are per (batch, head, block of tokens) and v's per (batch, kv head), so a batch or
   head shard quantizes exactly as the whole: the output is the one-device output bit for bit,
   with no collective (before the op was partitioned, Explicit meshes failed to type-check the
@@ -204,8 +206,9 @@ def test_fp8_batch_and_head_sharding_run_locally(kind):
   mesh = make_mesh((2, 2, 2), ("data", "model", "other"), kind)
   args = qkv(s=96, d=32)
   spec = P("data", None, "model", None)
-  got, hlo = run_sharded(fp8_fwd_bwd, mesh, [spec] * 4, *args)
-  want = on_one_device(fp8_fwd_bwd, *args)
+  fn = functools.partial(fp8_fwd_bwd, backward=backward)
+  got, hlo = run_sharded(fn, mesh, [spec] * 4, *args)
+  want = on_one_device(fn, *args)
   np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
   assert_close(got[1:], want[1:])
   assert all(n == 0 for n in collectives(hlo).values()), collectives(hlo)

@@ -113,7 +113,8 @@ def dot_product_attention(
     fp8: run jax_fa3.flash_attention_fp8 (e4m3 forward, straight-through gradients).
     incoherent, block_size, signs, rotation_key, fp8_backward: flash_attention_fp8's incoherent,
       block_size, signs, key and backward ("bf16": from the fp8 forward's statistics, no second
-      forward; "recompute": flash_attention's exact gradient); only with fp8=True.
+      forward; "recompute": flash_attention's exact gradient; "fp8": the fp8 backward's
+      numerics); only with fp8=True.
     query_seq_lengths, key_value_seq_lengths: int32 (batch...) valid lengths; q_segment_ids,
       kv_segment_ids: int32 (batch..., length) segment ids (given together): see
       jax_fa3.flash_attention. Not with fp8=True.

@@ -45,7 +45,8 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     fp8: attention through jax_fa3.flash_attention_fp8 with a Hadamard rotation whose random
       signs are drawn from the 'params' rng at init into variables['fp8_rotation']['signs'].
     fp8_backward: with fp8, flash_attention_fp8's `backward`: "bf16" (default; from the fp8
-      forward's statistics, no second forward) or "recompute" (flash_attention's exact gradient).
+      forward's statistics, no second forward), "recompute" (flash_attention's exact gradient) or
+      "fp8" (three of the backward's GEMMs in e4m3; a pure-JAX emulation until its kernel exists).
 
   decode=True keeps Flax's cache variables ('cache': cached_key, cached_value, cache_index): the
   init call sizes the cache, each later call appends its tokens (one or a chunk) and attends over
