@@ -13,19 +13,19 @@ tiles of BACKWARD_TILE_Q(d) rows, the kernel's kBlockM; key rows j):
 - dO is quantized in blocks of DOUT_BLOCK tokens (e4m3 values dO8, scale s_dO(i) of row i's
   block); r_i = s_dO(i) / s_max, s_max the largest scale over the (batch, kv head)'s query heads
   and blocks of nonzero dO (r_i = 0 where row i's block is zero).
-- P'_ij = exp2(S_ij·softmax_scale·log2(e) − lse_i·log2(e) + log2(2^P_PRESCALE_LOG2 · r_i)), 0
+- P'_ij = exp2(S_ij·softmax_scale·log2(e) − (lse_i − ln(2^P_PRESCALE_LOG2 · r_i))·log2(e)), 0
   where masked: P scaled so that Σ_i P'_ij·dO8_i·s_max/2^8 is dV; P' <= 2^8 < 448 fits e4m3
-  without a running maximum. (The kernel folds the log2 term into the LSE row it already loads.)
+  without a running maximum (r is folded into the LSE row the kernel loads anyway).
 - dV = (Σ_i e4m3(P'_ij)·dO8_i) · s_max / 2^8.
 - dP_ij = dO_i·v_j in float32 from dO and v in 16 bits; D_i = Σ dO_i·out_i (− dlse_i);
   dS'_ij = P'_ij·(dP_ij − D_i) (= 2^8·r_i·dS_ij).
 - dQ_i = (Σ_j dS'_ij·k̃_j, dS' rounded to 16 bits) / (2^8·r_i) · softmax_scale, k̃ the dequantized k8 in 16 bits (the inputs' type, or bfloat16 for float32 inputs)
   (0 where r_i = 0).
-- dK: y_ji = dS'_ij · q_scale(i) / (2^8·r_i) is quantized per key row j with a lazy running
-  maximum over the query tiles in the kernel's order (the query heads sharing the kv head, then
-  the tiles): M_j moves to a tile's max |y_ji| only when that exceeds M_j·2^LAZY_MAX_MARGIN_LOG2,
-  and the accumulator row is then multiplied by M_old/M_new; the tile adds
-  Σ_i e4m3(y_ji · 2^Y_PRESCALE_LOG2 / M_j)·q8_i, so |values| <= 2^(6+2.8) < 448.
+- dK: y_ji = dS'_ij · w_i, w_i = q_scale(i) / (2^8·r_i), is quantized per key row j with a lazy
+  running maximum over the query tiles in the kernel's order (the query heads sharing the kv
+  head, then the tiles): M_j moves to a tile's max |y_ji| only when that exceeds
+  M_j·2^LAZY_MAX_MARGIN_LOG2, and the accumulator row is then multiplied by M_old/M_new; the tile
+  adds Σ_i e4m3(dS'_ij · (w_i · (2^Y_PRESCALE_LOG2 / M_j)))·q8_i, so |values| <= 2^(6+2.8) < 448.
   dK = acc · M_j / 2^6 · softmax_scale.
 
 dq and dk are returned in the rotated basis the kernel multiplies in (`jax_fa3.fp8` rotates them
@@ -111,8 +111,9 @@ def emulated_backward(q8, q_scale, k8, k_scale, v, out, lse, dout, cfg: Fp8Confi
   if dlse is not None:
     delta = delta - dlse.astype(f32)
   prescale = f32(2.0**P_PRESCALE_LOG2)
-  # The log2-domain row term with r folded in; +inf where r = 0 or the row saw no key: P' = 0.
-  lse2 = lse.astype(f32) * f32(_LOG2E) - jnp.log2(prescale * ratio)
+  # The LSE with r folded in (natural log, as the kernel's LSE input: it multiplies by log2(e)
+  # itself); +inf where r = 0 or the row saw no key, so that P' = 0 there.
+  lse2 = (lse.astype(f32) - jnp.log(prescale * ratio)) * f32(_LOG2E)
   unscale = jnp.where(ratio > 0, 1.0 / (prescale * jnp.where(ratio > 0, ratio, 1.0)), 0.0)
   q_row_scale = per_token(q_scale, cfg.block_size, s_q)[..., 0]  # (b, s_q, h)
   q_row_scale = jnp.swapaxes(q_row_scale, 1, 2)  # (b, h, s_q)
@@ -160,13 +161,15 @@ def emulated_backward(q8, q_scale, k8, k_scale, v, out, lse, dout, cfg: Fp8Confi
     ds = p * (dp - x["delta"][..., None])  # dS' = 2^8 r dS
     dq = jnp.einsum("bhqk,bhkd->bhqd", ds.astype(op16).astype(f32), k_used_t,
                     precision=_HIGHEST) * (x["unscale"] * scale)[..., None]
-    y = ds * (x["q_scale"] * x["unscale"])[..., None]  # (b, h_k, tile, s_k)
-    tile_max = jnp.abs(y).max(axis=2)  # per key row
+    w = x["q_scale"] * x["unscale"]  # (b, h_k, tile): q's scale over 2^8 r, per query row
+    tile_max = (jnp.abs(ds) * w[..., None]).max(axis=2)  # max |y| per key row
     moved = tile_max > running * margin
     new_running = jnp.where(moved, tile_max, running)
     safe = jnp.where(new_running > 0, new_running, 1.0)
     rescale = jnp.where(moved & (running > 0), running / safe, jnp.where(moved, 0.0, 1.0))
-    y8 = to_e4m3(y * (y_prescale / safe)[:, :, None, :]).astype(f32)
+    # The kernel's order: one coefficient per (row, key row), then one product per element.
+    y_coef = w[..., None] * (y_prescale / safe)[:, :, None, :]
+    y8 = to_e4m3(ds * y_coef).astype(f32)
     dk_acc = dk_acc * rescale[..., None] + jnp.einsum("bhqk,bhqd->bhkd", y8, x["q8"],
                                                       precision=_HIGHEST)
     return (dv_acc, dk_acc, new_running), dq
