@@ -19,8 +19,8 @@ tiles of BACKWARD_TILE_Q(d) rows, the kernel's kBlockM; key rows j):
 - dV = (Σ_i e4m3(P'_ij)·dO8_i) · s_max / 2^8.
 - dP_ij = dO_i·v_j in float32 from dO and v in 16 bits; D_i = Σ dO_i·out_i (− dlse_i);
   dS'_ij = P'_ij·(dP_ij − D_i) (= 2^8·r_i·dS_ij).
-- dQ_i = (Σ_j dS'_ij·k̃_j, dS' rounded to 16 bits) / (2^8·r_i) · softmax_scale, k̃ the dequantized k8 in 16 bits (the inputs' type, or bfloat16 for float32 inputs)
-  (0 where r_i = 0).
+- dQ_i = (Σ_j dS'_ij·k̃_j) / (2^8·r_i) · softmax_scale (0 where r_i = 0), with dS' rounded to
+  16 bits and k̃ the dequantized k8 in 16 bits (the inputs' type, or bfloat16 for float32 inputs).
 - dK: y_ji = dS'_ij · w_i, w_i = q_scale(i) / (2^8·r_i), is quantized per key row j with a lazy
   running maximum over the query tiles in the kernel's order (the query heads sharing the kv
   head, then the tiles): M_j moves to a tile's max |y_ji| only when that exceeds

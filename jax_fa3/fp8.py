@@ -319,8 +319,8 @@ def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_siz
       "fp8": like "bf16", with three of the backward's five GEMMs in e4m3 (S, dV, dK; numerics in
         `jax_fa3._fp8_backward_emulation`). On FlashAttention-3's outlier inputs its gradient
         errors are those of "bf16" times 0.99-1.01 (dq), 1.03-1.11 (dk) and 1.20-1.39 (dv)
-        (benchmarks/fp8_accuracy.py --backward). There is no fp8 backward kernel yet: it runs a pure-JAX emulation on every
-        platform, slower than "bf16" on a GPU.
+        (benchmarks/fp8_accuracy.py --backward). There is no fp8 backward kernel yet: it runs
+        a pure-JAX emulation on every platform, slower than "bf16" on a GPU.
 
   Returns:
     out (batch, seqlen_q, heads, head_dim) in q's dtype (bfloat16 for pre-quantized inputs), or
