@@ -24,7 +24,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jax_fa3 import _local_attention
+from jax_fa3 import _local_attention, _partitioning
 from jax_fa3._config import AttentionConfig
 from jax_fa3.attention import masked_attention
 
@@ -108,11 +108,24 @@ def _merge(out, lse, b, n):
   return (weight * out).sum(axis=1), merged_lse
 
 
+def _forward_paged_local(q, k_pool, v_pool, table, *masks_and_cfg):
+  *masks, cfg = masks_and_cfg
+  return _local_attention.forward_paged(q, k_pool, v_pool, table, tuple(masks), cfg)
+
+
+# The paged forward as a partitioned op: batch rows (q, tables, masks) and heads stay sharded and
+# run locally; the pools are replicated but for their heads (any row may read any page).
+PAGED_FORWARD = _partitioning.AttentionOp(
+    "flash_fwd_paged", ("q", "pool", "pool", "table", "lens", "lens", "lens"), ("q", "row"),
+    _forward_paged_local, split_queries=False)
+
+
 def _attend_rows(q, keys, values, masks, cfg: AttentionConfig, return_lse: bool):
   """Padded-batch attention of q's rows over contiguous keys / values, or over `keys`, a `Pages`
   (values None), on the paged kernel."""
   if isinstance(keys, Pages):
-    out, lse = _local_attention.forward_paged(q, keys.k_pool, keys.v_pool, keys.table, masks, cfg)
+    out, lse = _partitioning.call_partitioned(
+        PAGED_FORWARD, (q, keys.k_pool, keys.v_pool, keys.table, *masks), cfg)
     return (out, lse) if return_lse else out
   return masked_attention(q, keys, values, masks, cfg, return_lse)
 
@@ -131,7 +144,10 @@ def attend(q, keys, values, lengths, cfg: AttentionConfig, return_lse: bool,
     capacity, h_k, unit = keys.shape[1], keys.shape[2], 1
   group = h // h_k
   diagonal = lengths - s_q
-  packed = s_q == 1 and group > 1 and cfg.window_left < 0
+  # (Not on Explicit meshes: splitting a sharded head axis needs the output's sharding spelled
+  # out, which JAX 0.6's reshape cannot take; the heads are then attended unpacked.)
+  packed = (s_q == 1 and group > 1 and cfg.window_left < 0
+            and _partitioning.explicit_mesh((q,)) is None)
   if packed:
     # Query head kh * group + g -> row g of kv head kh. Every row sees the row's whole length
     # (one query: a right window only reaches past it), so the shared diagonal is exact.

@@ -247,8 +247,8 @@ def forward_paged(q, k_pool, v_pool, table, masks, cfg: AttentionConfig):
   """(out, lse) of q over a paged cache: pools (num_pages, page_size, h_k, d), table int32
   (b, pages_per_seq), masks (q_lengths, kv_lengths, diagonals) over the rows' logical keys. On
   the paged kernel (callers checked `paged_in_place`); a computation lowered elsewhere gathers
-  the pages and runs the reference. Forward only; not partitioned (a sharded cache is gathered
-  by XLA onto each device)."""
+  the pages and runs the reference. Forward only; one device's part of the partitioned op
+  `jax_fa3._cache_attention.PAGED_FORWARD`."""
   s_k = table.shape[1] * k_pool.shape[1]
 
   def ref(q, k_pool, v_pool, table, *masks):

@@ -30,7 +30,8 @@ statistics) is therefore wrapped here:
 The ops themselves are declared by their users: the bf16 forward and backward in
 `jax_fa3.attention`, the fp8 call from floats in `jax_fa3.fp8` (with `split_queries=False`: batch
 and heads stay local, a sequence split is gathered, since its quantization blocks and v's per-head
-scale span the sequence).
+scale span the sequence), the forward over a paged KV cache in `jax_fa3._cache_attention` (its
+pools, LAYOUTS "pool", keep only their heads split).
 
 vmap composes: the partitioned op is wrapped in `_batching.fold_vmap_into_batch`.
 """
@@ -58,7 +59,14 @@ LAYOUTS = {
     "lens": ("b",),               # (batch,): sequence lengths
     "qseg": ("b", "q"),           # (batch, seqlen_q): query segment ids, per-query diagonals
     "kseg": ("b", "k"),           # (batch, seqlen_k): key segment ids
+    # A paged KV cache: pools (num_pages, page_size, heads_k, head_dim), whose pages any batch row
+    # may read (replicated but for the heads), and the rows' page tables (batch, pages_per_seq).
+    "pool": ("pg", "ps", "n", "d"),
+    "table": ("b", "pt"),
 }
+# The factors of LAYOUTS that are never split (the pages of a pool, a page's slots, a table's
+# entries) besides head_dim.
+_REPLICATED_FACTORS = ("pg", "ps", "pt")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -94,7 +102,7 @@ class Plan:
 
   def spec(self, layout: str) -> P:
     axes = {"b": self.batch, "q": self.seq_q, "k": self.seq_k, "h": self.heads,
-            "n": self.kv_heads, "d": ()}
+            "n": self.kv_heads, "d": (), **{f: () for f in _REPLICATED_FACTORS}}
     return P(*(_entry(axes[f]) for f in LAYOUTS[layout]))
 
 
@@ -128,9 +136,14 @@ def _divisible_prefix(axes, sizes, *dims) -> tuple:
   return tuple(out)
 
 
+def _kv_index(op: AttentionOp) -> int:
+  """The operand that carries the kv heads: k (or a paged pool, whose keys are not a sequence)."""
+  return op.operands.index("kv" if "kv" in op.operands else "pool")
+
+
 def plan_partition(op: AttentionOp, shapes, specs, axis_sizes, cfg: AttentionConfig) -> Plan:
   """Per-factor mesh axes for `op` given its operands' shapes and per-dimension mesh axes."""
-  qi, ki = op.operands.index("q"), op.operands.index("kv")
+  qi, ki = op.operands.index("q"), _kv_index(op)
   b, s_q, h, _ = shapes[qi]
   s_k, h_k = shapes[ki][1], shapes[ki][2]
   q_axes, k_axes = specs[qi], specs[ki]
@@ -145,7 +158,7 @@ def plan_partition(op: AttentionOp, shapes, specs, axis_sizes, cfg: AttentionCon
   seq_q = tuple(a for a in q_axes[1] if a not in used)
   seq_k = tuple(a for a in k_axes[1] if a not in used)
   n = math.prod(axis_sizes[a] for a in seq_q)
-  if (op.ring is not None and seq_q and seq_q == seq_k and s_q % n == 0 and s_k % n == 0
+  if (op.ring is not None and "kv" in op.operands and seq_q and seq_q == seq_k and s_q % n == 0 and s_k % n == 0
       and op.ring_unsupported_reason(cfg, s_q, s_k) is None):
     return Plan(batch, heads, seq_q, seq_k, ring_axes=seq_q, kv_heads=kv_heads)
   # Fallback: gather k/v; queries stay split only when no mask depends on their position.
@@ -311,7 +324,7 @@ def call_partitioned(op: AttentionOp, arrays, cfg: AttentionConfig):
   explicit = explicit_mesh(arrays)
   if explicit is not None:
     return _call_explicit(op, list(arrays), cfg, *explicit)
-  qi, ki = op.operands.index("q"), op.operands.index("kv")
+  qi, ki = op.operands.index("q"), _kv_index(op)
   kv_heads = arrays[ki].shape[2]
   return tuple(_vmappable(op, arrays[qi].shape[2] // kv_heads, kv_heads, cfg)(*arrays))
 

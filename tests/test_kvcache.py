@@ -4,6 +4,7 @@ jit with donation, and the errors.
 
 Float32 inputs (softmax and accumulation in float32) against a float64 oracle: 1e-5 relative.
 """
+import dataclasses
 import functools
 import re
 
@@ -94,8 +95,12 @@ def test_pages_read_in_place_match_the_oracle(s_q, s_new, causal, window, num_sp
   # The route that reads pages in place on the kernel (_cache_attention.Pages) when the page size
   # suits it, forced here: off the GPU, forward_paged gathers the pages and runs the reference.
   # Splits cut whole pages (5 becomes 3, a divisor of the 6 pages).
-  from jax_fa3 import _local_attention  # noqa: PLC0415
+  from jax_fa3 import _cache_attention, _local_attention  # noqa: PLC0415
   monkeypatch.setattr(_local_attention, "paged_in_place", lambda q, page_size: True)
+  # A fresh partitioned op, so that its body is traced here rather than found in the jit cache of
+  # an earlier case with the same shapes.
+  monkeypatch.setattr(_cache_attention, "PAGED_FORWARD",
+                      dataclasses.replace(_cache_attention.PAGED_FORWARD))
   calls = []
   paged = _local_attention.forward_paged
   monkeypatch.setattr(_local_attention, "forward_paged",

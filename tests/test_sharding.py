@@ -273,3 +273,40 @@ def test_plan_per_axis():
   assert plan(((), ("s",), (), ()), ((), (), (), ()), full) == _partitioning.Plan(seq_q=("s",))
   gqa = (4, 64, 2, 16)  # 4 head shards do not divide 2 kv heads: heads replicated
   assert plan(((), (), ("h",), ()), ((), (), (), ()), cfg, gqa) == _partitioning.Plan()
+
+
+def paged_decode(q, k_pool, v_pool, table, lengths, splits=1):
+  """A decode step over a paged cache read in place (`_cache_attention.Pages`), through the
+  partitioned paged op (on the CPU its body gathers the pages and runs the reference)."""
+  from jax_fa3 import _cache_attention  # noqa: PLC0415
+  cfg = AttentionConfig(softmax_scale=q.shape[-1] ** -0.5, window_right=0)
+  pages = _cache_attention.Pages(k_pool, v_pool, table)
+  return (_cache_attention.attend(q, pages, None, lengths, cfg, False, splits),)
+
+
+@pytest.mark.parametrize("kind,splits", [("auto", 1), ("auto", 2), ("explicit", 1)])
+def test_paged_cache_batch_and_head_sharding_run_locally(kind, splits):
+  """Batch rows (queries, page tables, lengths) and heads stay on their devices; the pools are
+  replicated along their pages (any row may read any page) and split by heads like k/v: no
+  collective, and the one-device result. Split-KV cuts each row's table into pieces first. The
+  call is a partitioned op, as it must be on the GPU, where the paged kernel is opaque to XLA
+  (here the pure-JAX body would partition by itself)."""
+  mesh = make_mesh((2, 2, 2), ("data", "model", "other"), kind)
+  rng = np.random.default_rng(3)
+  b, h, h_k, d, page, per_seq = 4, 4, 2, 16, 8, 6
+  num_pages = b * per_seq + 3
+  q = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.float32)
+  k_pool, v_pool = (jnp.asarray(rng.standard_normal((num_pages, page, h_k, d)), jnp.float32)
+                    for _ in range(2))
+  table = jnp.asarray(rng.permutation(num_pages)[:b * per_seq].reshape(b, per_seq), jnp.int32)
+  lengths = jnp.asarray([48, 1, 30, 17], jnp.int32)
+  fn = functools.partial(paged_decode, splits=splits)
+  specs = [P("data", None, "model"), P(None, None, "model"), P(None, None, "model"),
+           P("data"), P("data")]
+  if kind == "auto":
+    assert "custom_partitioning" in str(jax.make_jaxpr(fn)(q, k_pool, v_pool, table, lengths))
+  (got,), hlo = run_sharded(fn, mesh, specs, q, k_pool, v_pool, table, lengths)
+  (want,) = on_one_device(fn, q, k_pool, v_pool, table, lengths)
+  assert_close([got], [want])
+  assert all(n == 0 for n in collectives(hlo).values()), collectives(hlo)
+  assert tuple(got.sharding.spec)[:3] == ("data", None, "model")
