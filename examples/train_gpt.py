@@ -80,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="train jax_fa3 and xla attention from the same init and data")
   parser.add_argument("--compare-fp8", action="store_true",
                       help="train jax_fa3 in bf16 and in FP8 mode from the same init and data")
-  parser.add_argument("--fp8-backward", choices=("bf16", "recompute"), default="bf16",
+  parser.add_argument("--fp8-backward", choices=("bf16", "recompute", "fp8"), default="bf16",
                       help="FP8 mode's backward (flash_attention_fp8's `backward`)")
   parser.add_argument("--plot", default="train_gpt_loss.png",
                       help="PNG written with --compare / --compare-fp8")
