@@ -143,22 +143,39 @@ def _kernel_from_float_jit(q, k, v, signs, cfg: Fp8Config):
                                 default=functools.partial(_float_path, cfg=cfg))
 
 
-def _from_float(q, k, v, signs, cfg: Fp8Config, with_operands: bool):
+def _from_float(q, k, v, signs, cfg: Fp8Config):
+  """(out in q's dtype, lse, q8, q_scale, k8, k_scale)."""
   path = _kernel_from_float_jit if v_transposed_by_quantize(v, cfg) else _float_path
   out, lse, q8, q_scale, k8, k_scale = path(q, k, v, signs, cfg)
-  if not with_operands:
-    return out.astype(q.dtype), lse
-  return (out.astype(q.dtype), lse, dequantized(q8, q_scale, cfg, q.dtype),
-          dequantized(k8, k_scale, cfg, k.dtype))
+  return out.astype(q.dtype), lse, q8, q_scale, k8, k_scale
+
+
+def token_scales(scales, block_size: int, seqlen: int):
+  """(b, h, n_blocks) block scales -> (b, h, seqlen): each token's block's scale."""
+  return jnp.repeat(scales, block_size, axis=-1)[..., :seqlen]
+
+
+def block_scales(rows, block_size: int):
+  """The inverse of token_scales: (b, h, seqlen) -> (b, h, n_blocks)."""
+  return rows[..., ::block_size]
 
 
 def forward_from_float_local(q, k, v, signs, cfg: Fp8Config):
   """(out in q's dtype, lse) of the call from floats on one device's blocks: the local body of
   the partitioned op `jax_fa3.fp8.FP8_FORWARD` (cfg arrives with return_lse off)."""
-  return _from_float(q, k, v, signs, cfg, with_operands=False)
+  return _from_float(q, k, v, signs, cfg)[:2]
 
 
 def forward_from_float_with_operands_local(q, k, v, signs, cfg: Fp8Config):
   """(out, lse, q_used, k_used): also the rotated q and k as the kernel saw them (dequantized, in
   q's and k's dtype), which the bf16 backward differentiates at (`jax_fa3.fp8`)."""
-  return _from_float(q, k, v, signs, cfg, with_operands=True)
+  out, lse, q8, q_scale, k8, k_scale = _from_float(q, k, v, signs, cfg)
+  return (out, lse, dequantized(q8, q_scale, cfg, q.dtype), dequantized(k8, k_scale, cfg, k.dtype))
+
+
+def forward_from_float_quantized_local(q, k, v, signs, cfg: Fp8Config):
+  """(out, lse, q8, q_rows, k8, k_rows): also the e4m3 q and k the kernel multiplied and their
+  scales per token (`token_scales`), which the fp8 backward starts from (`jax_fa3.fp8`)."""
+  out, lse, q8, q_scale, k8, k_scale = _from_float(q, k, v, signs, cfg)
+  return (out, lse, q8, token_scales(q_scale, cfg.block_size, q.shape[1]), k8,
+          token_scales(k_scale, cfg.block_size, k.shape[1]))

@@ -53,7 +53,8 @@ from jax_fa3._config import AttentionConfig
 LAYOUTS = {
     "q": ("b", "q", "h", "d"),    # (batch, seqlen_q, heads, head_dim): q, out, dout, dq
     "kv": ("b", "k", "n", "d"),   # (batch, seqlen_k, heads_k, head_dim): k, v, dk, dv
-    "row": ("b", "h", "q"),       # (batch, heads, seqlen_q): lse, dlse
+    "row": ("b", "h", "q"),       # (batch, heads, seqlen_q): lse, dlse, q's fp8 scale per token
+    "krow": ("b", "n", "k"),      # (batch, heads_k, seqlen_k): k's fp8 scale per token
     "kvhead": ("b", "n"),         # (batch, heads_k): per-(batch, kv head) scales (fp8)
     "vec": ("d",),                # (head_dim,): the fp8 rotation's signs (replicated)
     "lens": ("b",),               # (batch,): sequence lengths

@@ -128,15 +128,18 @@ def dequantize_fp8(values, scales, *, block_size=DEFAULT_BLOCK_SIZE, dtype=jnp.f
 # is gathered (blocks of tokens share a scale, and v's scale spans the whole sequence).
 FP8_FORWARD = _partitioning.AttentionOp("flash_fwd_fp8", ("q", "kv", "kv", "vec"), ("q", "row"),
                                         _fp8_forward.forward_from_float_local, split_queries=False)
-# The same, also returning the rotated q and k as the kernel multiplied them (dequantized): the
-# operands of backward="bf16".
+# The same, also returning the rotated q and k as the kernel multiplied them: dequantized (the
+# operands of backward="bf16"), or in e4m3 with their scales per token (backward="fp8": one byte
+# an element held for the backward instead of two, and no second quantization).
 FP8_FORWARD_WITH_OPERANDS = _partitioning.AttentionOp(
     "flash_fwd_fp8_with_operands", ("q", "kv", "kv", "vec"), ("q", "row", "q", "kv"),
     _fp8_forward.forward_from_float_with_operands_local, split_queries=False)
+FP8_FORWARD_QUANTIZED = _partitioning.AttentionOp(
+    "flash_fwd_fp8_quantized", ("q", "kv", "kv", "vec"), ("q", "row", "q", "row", "kv", "krow"),
+    _fp8_forward.forward_from_float_quantized_local, split_queries=False)
 
 
-def _fp8_from_float(q, k, v, signs, cfg: Fp8Config, with_operands=False):
-  op = FP8_FORWARD_WITH_OPERANDS if with_operands else FP8_FORWARD
+def _fp8_from_float(q, k, v, signs, cfg: Fp8Config, op=FP8_FORWARD):
   return _partitioning.call_partitioned(op, (q, k, v, signs),
                                         dataclasses.replace(cfg, return_lse=False))
 
@@ -166,10 +169,10 @@ def _fp8_attention_fwd(q, k, v, signs, cfg, backward):
   if backward == "recompute":
     out, lse = _fp8_from_float(q, k, v, signs, cfg)
     return (out, lse), (q, k, v, signs, None)
-  if backward == "fp8":  # q and k as given: the backward quantizes them again, as the forward did
-    out, lse = _fp8_from_float(q, k, v, signs, cfg)
-    return (out, lse), (q, k, v, signs, (out, lse))
-  out, lse, q_used, k_used = _fp8_from_float(q, k, v, signs, cfg, with_operands=True)
+  if backward == "fp8":  # q8 and k8 in place of q and k
+    out, lse, q8, q_rows, k8, k_rows = _fp8_from_float(q, k, v, signs, cfg, FP8_FORWARD_QUANTIZED)
+    return (out, lse), (q8, k8, v, signs, (out, lse, q_rows, k_rows))
+  out, lse, q_used, k_used = _fp8_from_float(q, k, v, signs, cfg, FP8_FORWARD_WITH_OPERANDS)
   return (out, lse), (q_used, k_used, v, signs, (out, lse))
 
 
@@ -188,50 +191,56 @@ def _backward_at_operands_local(q, k, v, out, lse, dout, signs, cfg: Fp8Config, 
   return _rotate_back(dq, signs, cfg), _rotate_back(dk, signs, cfg), dv
 
 
-def _fp8_backward_local(q, k, v, out, lse, dout, signs, cfg: Fp8Config, dlse=None):
-  """backward="fp8" on one device's blocks: q and k rotated and quantized again (the same e4m3
-  values and scales as the forward's), the fp8 backward's numerics (`jax_fa3._fp8_backward_emulation`;
-  no kernel yet, so its pure-JAX form everywhere), dq and dk rotated back."""
+def _fp8_backward_local(q8, k8, v, out, lse, dout, q_rows, k_rows, signs, cfg: Fp8Config,
+                        dlse=None):
+  """backward="fp8" on one device's blocks: from the forward's e4m3 q and k and their scales, the
+  fp8 backward's numerics (`jax_fa3._fp8_backward_emulation`; no kernel yet, so its pure-JAX form
+  everywhere), dq and dk rotated back, in out's and v's dtype (q's and k's)."""
   _ffi.announce_once("fp8-backward", "jax_fa3: backward=\"fp8\" runs the pure-JAX emulation of the "
                      "fp8 backward (no fp8 backward kernel is built yet)")
-  q8, q_scale = _fp8_quantize.rotate_quantize(q, signs, cfg.incoherent, cfg.block_size)
-  k8, k_scale = _fp8_quantize.rotate_quantize(k, signs, cfg.incoherent, cfg.block_size)
+  q_scale = _fp8_forward.block_scales(q_rows, cfg.block_size)
+  k_scale = _fp8_forward.block_scales(k_rows, cfg.block_size)
   dq, dk, dv = emulated_backward(q8, q_scale, k8, k_scale, v, out, lse, dout, cfg, dlse=dlse)
-  return (_rotate_back(dq, signs, cfg).astype(q.dtype), _rotate_back(dk, signs, cfg).astype(k.dtype),
-          dv.astype(v.dtype))
+  return (_rotate_back(dq, signs, cfg).astype(out.dtype),
+          _rotate_back(dk, signs, cfg).astype(v.dtype), dv.astype(v.dtype))
 
 
-def _backward_ops(name, local):
+def _backward_ops(name, local, extra=()):
   """The partitioned ops of one backward, without and with an lse cotangent: like
-  jax_fa3.attention's BACKWARD ops, with the rotation's signs; a sequence split is gathered, as
-  for the fp8 forward."""
-  def local_dlse(q, k, v, out, lse, dout, dlse, signs, cfg: Fp8Config):
-    return local(q, k, v, out, lse, dout, signs, cfg, dlse=dlse)
+  jax_fa3.attention's BACKWARD ops, with `extra` operands (layouts) and the rotation's signs; a
+  sequence split is gathered, as for the fp8 forward."""
+  def local_dlse(q, k, v, out, lse, dout, dlse, *rest):
+    *rest, cfg = rest
+    return local(q, k, v, out, lse, dout, *rest, cfg, dlse=dlse)
 
   operands = ("q", "kv", "kv", "q", "row", "q")
-  return (_partitioning.AttentionOp(name, operands + ("vec",), ("q", "kv", "kv"), local,
+  return (_partitioning.AttentionOp(name, operands + extra + ("vec",), ("q", "kv", "kv"), local,
                                     split_queries=False),
-          _partitioning.AttentionOp(name + "_dlse", operands + ("row", "vec"), ("q", "kv", "kv"),
-                                    local_dlse, split_queries=False))
+          _partitioning.AttentionOp(name + "_dlse", operands + ("row",) + extra + ("vec",),
+                                    ("q", "kv", "kv"), local_dlse, split_queries=False))
 
 
 # (without dlse, with dlse) per backward taking the fp8 forward's out and lse.
 BACKWARD_OPS = {"bf16": _backward_ops("flash_bwd_fp8_operands", _backward_at_operands_local),
-                "fp8": _backward_ops("flash_bwd_fp8", _fp8_backward_local)}
+                "fp8": _backward_ops("flash_bwd_fp8", _fp8_backward_local, ("row", "krow"))}
 
 
 def _fp8_attention_bwd(cfg, backward, residuals, cotangents):
-  q, k, v, signs, saved = residuals  # q, k: the rotated, quantized operands for "bf16"
+  # q, k: as given ("recompute"), the rotated, quantized operands ("bf16") or their e4m3 values
+  # ("fp8", whose saved tail holds the scales per token).
+  q, k, v, signs, saved = residuals
   dout, dlse = cotangents
-  dout = dout.astype(q.dtype)
+  dout = dout.astype(v.dtype)  # q's dtype
   dlse = dlse if cfg.return_lse else None
   if saved is None:
     out, lse = attention.partitioned_forward(q, k, v, cfg.attention)
     dq, dk, dv = attention.partitioned_backward(q, k, v, out, lse, dout, cfg.attention, dlse=dlse)
   else:
+    out, lse, *scales = saved
     plain, with_dlse = BACKWARD_OPS[backward]
     op, extra = (plain, ()) if dlse is None else (with_dlse, (dlse,))
-    dq, dk, dv = _partitioning.call_partitioned(op, (q, k, v, *saved, dout, *extra, signs), cfg)
+    dq, dk, dv = _partitioning.call_partitioned(
+        op, (q, k, v, out, lse, dout, *extra, *scales, signs), cfg)
   return dq, dk, dv, jnp.zeros_like(signs)
 
 

@@ -182,3 +182,17 @@ def test_gradients_through_lse_and_float32_inputs():
   for a, b in zip(g, g_ref):
     assert a.dtype == jnp.float32
     assert 0 < _rel(a, b) < 8e-2, _rel(a, b)
+
+
+def test_backward_starts_from_the_forwards_quantized_operands():
+  # The forward hands its e4m3 q and k and their per-token scales to the backward (one byte an
+  # element saved instead of two, no second quantization): one partitioned forward and one
+  # backward in the program, and the residuals hold q and k only as float8.
+  q, k, v, dout = _normal(4, (1, 70, 2, 32), (1, 70, 2, 32), (1, 70, 2, 32), (1, 70, 2, 32))
+  loss = lambda q: jnp.sum(flash_attention_fp8(q, k, v, backward="fp8").astype(jnp.float32))
+  jaxpr = str(jax.make_jaxpr(jax.grad(loss))(q))
+  assert jaxpr.count("custom_partitioning[") == 2, jaxpr.count("custom_partitioning[")
+  _, vjp = jax.vjp(lambda q, k: flash_attention_fp8(q, k, v, backward="fp8"), q, k)
+  saved = [x for x in jax.tree.leaves(vjp) if hasattr(x, "shape") and x.shape == q.shape]
+  assert {str(x.dtype) for x in saved} == {"float8_e4m3fn", "bfloat16"}  # q8, k8; v, out
+  assert sum(x.dtype == jnp.bfloat16 for x in saved) == 2
