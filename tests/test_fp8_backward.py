@@ -143,8 +143,8 @@ def test_accuracy_on_outlier_inputs(causal):
 
 
 def test_gradients_are_the_emulation_rotated_back():
-  # The custom_vjp path: q and k quantized again as the forward did, the emulation, dq and dk
-  # rotated back (diag(signs)·H), in the inputs' dtypes; no gradient into the signs.
+  # The custom_vjp path: the forward's q8 and k8, the emulation, dq and dk rotated back
+  # (diag(signs)·H), in the inputs' dtypes; no gradient into the signs.
   q, k, v, dout = _normal(3, (2, 96, 4, 64), (2, 80, 2, 64), (2, 80, 2, 64), (2, 96, 4, 64))
   signs = jax.random.rademacher(jax.random.PRNGKey(5), (64,), dtype=jnp.float32)
   loss = lambda q, k, v, s: jnp.sum(
