@@ -39,8 +39,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_fa3._config import Fp8Config
-from jax_fa3._fp8_emulation import LAZY_MAX_MARGIN_LOG2
-from jax_fa3._fp8_quantize import per_token, quantize_blocks, to_e4m3
+from jax_fa3._fp8_emulation import LAZY_MAX_MARGIN_LOG2, tiles, visible_pairs
+from jax_fa3._fp8_quantize import block_amax, per_token, quantize_blocks, to_e4m3
 
 DOUT_BLOCK = 64  # tokens per dO scale
 P_PRESCALE_LOG2 = 8  # P' = 2^8 · r · P <= 256
@@ -56,37 +56,18 @@ def backward_tile_q(d: int) -> int:
   return 128 if d <= 64 else 64
 
 
-def _tiles(x, tile, axis):
-  """Splits axis (padded with zeros to a multiple of tile) into (n_tiles, tile)."""
-  n = -(-x.shape[axis] // tile)
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, n * tile - x.shape[axis])
-  x = jnp.pad(x, pad)
-  return x.reshape(x.shape[:axis] + (n, tile) + x.shape[axis + 1:])
-
-
 def _dout_ratio(dout, h_k):
   """dO8 (f32 values), r (b, h, s_q) and s_max (b, h_k) as in the module docstring."""
   b, s_q, h, _ = dout.shape
-  values, scales = quantize_blocks(dout, DOUT_BLOCK)  # scales (b, h, n_blocks)
-  amax = _tiles(jnp.abs(dout.astype(jnp.float32)), DOUT_BLOCK, 1).max(axis=(2, 4))  # (b, n, h)
-  real = jnp.swapaxes(amax, 1, 2) > 0  # (b, h, n_blocks): blocks with a nonzero dO
+  amax = block_amax(dout, DOUT_BLOCK)  # (b, h, n_blocks)
+  values, scales = quantize_blocks(dout, DOUT_BLOCK, amax=amax)
+  real = amax != 0  # blocks with a nonzero (or NaN) dO
   group = jnp.where(real, scales, 0.0).reshape(b, h_k, h // h_k, -1)
   s_max = group.max(axis=(2, 3))  # (b, h_k)
   s_max_h = jnp.repeat(s_max, h // h_k, axis=1)[..., None]
   ratio = jnp.where(real & (s_max_h > 0), scales / jnp.where(s_max_h > 0, s_max_h, 1.0), 0.0)
   ratio = jnp.repeat(ratio, DOUT_BLOCK, axis=-1)[..., :s_q]
   return values.astype(jnp.float32), ratio, s_max
-
-
-def _visible(query, key, s_q, s_k, window_left, window_right):
-  diagonal = query + (s_k - s_q)  # bottom-right alignment (docs/CONTRACTS.md)
-  visible = (key < s_k) & (query < s_q)
-  if window_left >= 0:
-    visible &= key >= diagonal - window_left
-  if window_right >= 0:
-    visible &= key <= diagonal + window_right
-  return visible
 
 
 def emulated_backward(q8, q_scale, k8, k_scale, v, out, lse, dout, cfg: Fp8Config, dlse=None):
@@ -117,8 +98,9 @@ def emulated_backward(q8, q_scale, k8, k_scale, v, out, lse, dout, cfg: Fp8Confi
   unscale = jnp.where(ratio > 0, 1.0 / (prescale * jnp.where(ratio > 0, ratio, 1.0)), 0.0)
   q_row_scale = per_token(q_scale, cfg.block_size, s_q)[..., 0]  # (b, s_q, h)
   q_row_scale = jnp.swapaxes(q_row_scale, 1, 2)  # (b, h, s_q)
-  k_col_scale = jnp.swapaxes(per_token(k_scale, cfg.block_size, s_k)[..., 0], 1, 2)  # (b, h_k, s_k)
-  k_used = (k8.astype(f32) * per_token(k_scale, cfg.block_size, s_k)).astype(op16).astype(f32)
+  k_token_scale = per_token(k_scale, cfg.block_size, s_k)  # (b, s_k, h_k, 1)
+  k_col_scale = jnp.swapaxes(k_token_scale[..., 0], 1, 2)  # (b, h_k, s_k)
+  k_used = (k8.astype(f32) * k_token_scale).astype(op16).astype(f32)
 
   def by_group(x):  # (b, h, ...) -> (b, h_k, g, ...)
     return x.reshape((b, h_k, g) + x.shape[2:])
@@ -128,7 +110,7 @@ def emulated_backward(q8, q_scale, k8, k_scale, v, out, lse, dout, cfg: Fp8Confi
 
   # The kernel's visiting order per kv head: the g query heads, each tile by tile.
   def steps(x, axis=3):  # (b, h_k, g, s_q, ...) -> (g·n_tiles, b, h_k, tile, ...)
-    x = _tiles(x, tile, axis)  # (b, h_k, g, n, tile, ...)
+    x = tiles(x, tile, axis)  # (b, h_k, g, n, tile, ...)
     x = jnp.moveaxis(jnp.moveaxis(x, 2, 0), 3, 1)  # (g, n, b, h_k, tile, ...)
     return x.reshape((-1,) + x.shape[2:])
 
@@ -150,7 +132,7 @@ def emulated_backward(q8, q_scale, k8, k_scale, v, out, lse, dout, cfg: Fp8Confi
   def step(carry, x):
     dv_acc, dk_acc, running = carry  # (b, h_k, s_k, d) x2, (b, h_k, s_k)
     query = x["row0"] + jnp.arange(tile)[:, None]
-    visible = _visible(query, key, s_q, s_k, att.window_left, att.window_right)
+    visible = visible_pairs(query, key, s_q, s_k, att.window_left, att.window_right)
     raw = jnp.einsum("bhqd,bhkd->bhqk", x["q8"], k8_t, precision=_HIGHEST)  # exact products
     logits = raw * (x["q_scale"][..., None] * coef[:, :, None, :]) - x["lse2"][..., None]
     p = jnp.where(visible, jnp.exp2(logits), 0.0)  # P' (b, h_k, tile, s_k)

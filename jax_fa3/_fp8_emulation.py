@@ -50,12 +50,11 @@ _HIGHEST = lax.Precision.HIGHEST
 _LOG2E = 1.4426950408889634
 
 
-def _visible(s_q, s_k, window_left, window_right, key_start, block_k):
-  """(s_q, block_k) bool: query i may see key key_start + j (docs/CONTRACTS.md; padded keys never)."""
-  query = jnp.arange(s_q)[:, None]
-  key = key_start + jnp.arange(block_k)[None, :]
-  diagonal = query + (s_k - s_q)  # bottom-right alignment
-  visible = key < s_k
+def visible_pairs(query, key, s_q, s_k, window_left, window_right):
+  """Whether query positions `query` may see key positions `key` (broadcast together): both real,
+  inside the window (docs/CONTRACTS.md; bottom-right alignment)."""
+  diagonal = query + (s_k - s_q)
+  visible = (key < s_k) & (query < s_q)
   if window_left >= 0:
     visible &= key >= diagonal - window_left
   if window_right >= 0:
@@ -63,12 +62,18 @@ def _visible(s_q, s_k, window_left, window_right, key_start, block_k):
   return visible
 
 
+def tiles(x, tile, axis):
+  """Splits `axis` (padded with zeros to a multiple of tile) into (n_tiles, tile)."""
+  n = -(-x.shape[axis] // tile)
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, n * tile - x.shape[axis])
+  x = jnp.pad(x, pad)
+  return x.reshape(x.shape[:axis] + (n, tile) + x.shape[axis + 1:])
+
+
 def _key_tiles(x, block_k):
   """(b, s_k, h_k, e) -> (n_tiles, b, block_k, h_k, e), zero-padded."""
-  b, s, h_k, e = x.shape
-  n = -(-s // block_k)
-  x = jnp.pad(x, ((0, 0), (0, n * block_k - s), (0, 0), (0, 0)))
-  return jnp.moveaxis(x.reshape(b, n, block_k, h_k, e), 1, 0)
+  return jnp.moveaxis(tiles(x, block_k, 1), 1, 0)
 
 
 def emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config, v_mean=None):
@@ -102,8 +107,9 @@ def emulated_forward(q8, k8, v8, q_scale, k_scale, v_scale, cfg: Fp8Config, v_me
     raw = jnp.einsum("bqhgd,bkhd->bhgqk", q, k_tile, precision=_HIGHEST)  # exact products
     col = jnp.einsum("bkh->bhk", col_tile)[:, :, None, None, :]  # (b, h_k, 1, 1, bk)
     scores = raw * (row * col)  # descaled, log2 domain: the kernel's per-(row, key) coefficient
-    visible = _visible(s_q, s_k, att.window_left, att.window_right, tile_index * block_k,
-                       block_k)
+    visible = visible_pairs(jnp.arange(s_q)[:, None],
+                            tile_index * block_k + jnp.arange(block_k)[None, :], s_q, s_k,
+                            att.window_left, att.window_right)
     scores = jnp.where(visible, scores, -jnp.inf)
     tile_max = jnp.maximum(row_max, scores.max(axis=-1))
     # The lazy max: kept unless exceeded by more than the margin (-inf - -inf is NaN: kept).

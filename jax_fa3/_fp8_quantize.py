@@ -69,18 +69,26 @@ def per_token(scales, block_size, seqlen):
   return jnp.swapaxes(expanded, 1, 2)[..., None]
 
 
-def quantize_blocks(x, block_size):
-  """(values e4m3 (b, s, h, d), scales f32 (b, h, n_blocks)); block_size None: one block."""
+def block_amax(x, block_size):
+  """max |x| per (batch, head, block of tokens): float32 (b, h, n_blocks); block_size None: one
+  block. A NaN makes its block's amax NaN on every backend (XLA:CPU's max drops NaN, XLA:GPU's
+  and the CUDA pass's keep it)."""
   b, s, h, d = x.shape
   block = s if block_size is None else block_size
   n = -(-s // block)
-  xf = x.astype(jnp.float32)
-  padded = jnp.pad(jnp.abs(xf), ((0, 0), (0, n * block - s), (0, 0), (0, 0)))
+  padded = jnp.pad(jnp.abs(x.astype(jnp.float32)), ((0, 0), (0, n * block - s), (0, 0), (0, 0)))
   blocks = padded.reshape(b, n, block, h, d)
-  # A NaN makes its block's amax NaN, hence scale 1.0, on every backend (XLA:CPU's max drops NaN,
-  # XLA:GPU's and the CUDA pass's keep it).
   amax = jnp.where(jnp.isnan(blocks).any(axis=(2, 4)), jnp.nan, blocks.max(axis=(2, 4)))  # (b, n, h)
-  scales = scale_from_amax(jnp.swapaxes(amax, 1, 2))  # (b, h, n)
+  return jnp.swapaxes(amax, 1, 2)
+
+
+def quantize_blocks(x, block_size, amax=None):
+  """(values e4m3 (b, s, h, d), scales f32 (b, h, n_blocks)); block_size None: one block.
+  amax: block_amax(x, block_size), when the caller has it already."""
+  s = x.shape[1]
+  block = s if block_size is None else block_size
+  xf = x.astype(jnp.float32)
+  scales = scale_from_amax(block_amax(x, block_size) if amax is None else amax)  # (b, h, n)
   # The reciprocal is taken per block, then multiplied (the kernel's contract, explicit here so
   # that it does not hang on XLA's simplifier rewriting x / broadcast(scale)).
   values = to_e4m3(xf * per_token(1.0 / scales, block, s))

@@ -159,7 +159,7 @@ def plan_partition(op: AttentionOp, shapes, specs, axis_sizes, cfg: AttentionCon
   seq_q = tuple(a for a in q_axes[1] if a not in used)
   seq_k = tuple(a for a in k_axes[1] if a not in used)
   n = math.prod(axis_sizes[a] for a in seq_q)
-  if (op.ring is not None and "kv" in op.operands and seq_q and seq_q == seq_k and s_q % n == 0 and s_k % n == 0
+  if (op.ring is not None and seq_q and seq_q == seq_k and s_q % n == 0 and s_k % n == 0
       and op.ring_unsupported_reason(cfg, s_q, s_k) is None):
     return Plan(batch, heads, seq_q, seq_k, ring_axes=seq_q, kv_heads=kv_heads)
   # Fallback: gather k/v; queries stay split only when no mask depends on their position.
