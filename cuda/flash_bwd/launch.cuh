@@ -54,9 +54,14 @@ cudaError_t run_flash_bwd(const FlashBwdParams& p, cudaStream_t stream) {
   }
   {
     const int64_t rows = int64_t(p.b) * p.h * s_q_pad;
-    const int64_t blocks = (rows + 7) / 8;
+    const int lanes = preprocess_lanes_per_row(p.d);
+    const int64_t rows_per_block = kPreprocessThreads / lanes;
+    const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
     if (blocks > 0x7fffffff) return cudaErrorInvalidValue;
-    flash_bwd_preprocess_kernel<Element><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+    auto preprocess = lanes == 8    ? flash_bwd_preprocess_kernel<Element, 8>
+                      : lanes == 16 ? flash_bwd_preprocess_kernel<Element, 16>
+                                    : flash_bwd_preprocess_kernel<Element, 32>;
+    preprocess<<<static_cast<unsigned>(blocks), kPreprocessThreads, 0, stream>>>(
         static_cast<const Element*>(p.out), static_cast<const Element*>(p.dout), p.lse,
         p.lse_log2, p.dpsum, p.b, p.s_q, p.h, p.d, s_q_pad);
     JAX_FA3_RETURN_IF_LAUNCH_ERROR();
