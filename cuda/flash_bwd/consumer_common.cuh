@@ -9,7 +9,7 @@
 namespace jax_fa3::flash_bwd {
 
 // This warpgroup's dQ partial (accumulator tdQrdQ, its wgmmas complete) of query head qh, Q block
-// m, in fragment order (Traits::kDqWgFloats): this thread's pairs are kDqPairStride apart. `stage`
+// m, in fragment order (Traits::dq_slot: this thread's vectors are 128 vectors apart). `stage`
 // is the Q/dO stage of the block (the CTA's it-th: it % kStages); the sdq buffer is
 // it % kDqStages, the same number when there are two, taken from it to hold no extra register.
 template <typename Traits, bool kKeyRanges, typename Frag>
@@ -19,7 +19,6 @@ __device__ __forceinline__ void store_dq_partial(KernelParams<Traits> const& p,
                                                  const BlockGeometry& geom, int bidb, int qh,
                                                  int m, int n_block, int stage) {
   using namespace cute;
-  constexpr int kPairStride = Traits::kDqPairStride;  // in float2
   constexpr uint32_t kMma = Traits::kNumMmaThreads;
   if constexpr (Traits::kDqViaSmem) {
     // The writer warp adds the chunk to global memory (and orders the deterministic mode).
@@ -27,11 +26,12 @@ __device__ __forceinline__ void store_dq_partial(KernelParams<Traits> const& p,
     const int buf = Traits::kDqStages == 1 ? 0 : stage;
     named_barrier_sync(dq_barrier(NamedBarrier::kDqEmpty, buf), kMma + 32);
     // 32-bit shared-window address: a generic 64-bit pointer here cost a register spill.
+    static_assert(Traits::kDqVec == 2);
     const uint32_t sdq = cute::cast_smem_ptr_to_uint(ss.dq + buf * Traits::kDqChunkFloats +
-                                                     wg * Traits::kDqWgFloats) + tid * 8;
+                                                     wg * Traits::kDqWgFloats);
     CUTE_UNROLL
     for (int i = 0; i < size(tdQrdQ); i += 2) {
-      st_shared_f32x2(sdq + (i / 2) * kPairStride * 8, tdQrdQ(i), tdQrdQ(i + 1));
+      st_shared_f32x2(sdq + Traits::dq_slot(i, tid) * 4, tdQrdQ(i), tdQrdQ(i + 1));
     }
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> bulk reduce
     named_barrier_arrive(dq_barrier(NamedBarrier::kDqFull, buf), kMma + 32);
@@ -43,11 +43,12 @@ __device__ __forceinline__ void store_dq_partial(KernelParams<Traits> const& p,
       if (ctid == 0) sem = wait_dq_turn<kKeyRanges>(p, geom, bidb, qh, m, n_block);
       named_barrier_sync(NamedBarrier::kDeterministic, kMma);
     }
-    float2* gdq = reinterpret_cast<float2*>(
-        dq_chunk(p, bidb, qh, m) + wg * Traits::kDqWgFloats) + tid;
+    static_assert(Traits::kDqVec == 4);
+    float* gdq = dq_chunk(p, bidb, qh, m) + wg * Traits::kDqWgFloats;
     CUTE_UNROLL
-    for (int i = 0; i < size(tdQrdQ); i += 2) {
-      atomicAdd(gdq + (i / 2) * kPairStride, make_float2(tdQrdQ(i), tdQrdQ(i + 1)));
+    for (int i = 0; i < size(tdQrdQ); i += 4) {
+      red_global_add_f32x4(gdq + Traits::dq_slot(i, tid), tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2),
+                           tdQrdQ(i + 3));
     }
     if (p.deterministic) {
       named_barrier_sync(NamedBarrier::kDeterministic, kMma);

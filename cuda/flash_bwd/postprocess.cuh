@@ -1,8 +1,8 @@
 // Backward postprocess: dq = dq_accum * softmax_scale in the input dtype. dq_accum holds, per
 // (batch, head, Q block), one chunk in the main kernel's fragment order (Traits::kDqWgFloats);
 // this kernel undoes it with the same TiledMMA partition the consumers used, so the two cannot
-// disagree. One CTA of 256 threads per chunk: thread (wg, t) reads the pairs accumulator thread t
-// of consumer warpgroup wg held (coalesced: a warp reads 256 contiguous bytes per pair index) and
+// disagree. One CTA of 256 threads per chunk: thread (wg, t) reads the vectors accumulator thread t
+// of consumer warpgroup wg held (coalesced: a warp reads 256 or 512 contiguous bytes per vector) and
 // writes them to dq (b, s_q, h, d), skipping padded rows and columns.
 #pragma once
 #include <cstdint>
@@ -35,18 +35,27 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads)
   const int row0 = m * kBlockM + Traits::dq_row0(wg);
   const int col0 = Traits::dq_col0(wg);
 
-  const float2* chunk = reinterpret_cast<const float2*>(
+  const float* part =
       dq_accum + q_block_index(batch, h, head, num_m_blocks, m) * int64_t(Traits::kDqChunkFloats) +
-      wg * Traits::kDqWgFloats) + tid;
+      wg * Traits::kDqWgFloats;
+  constexpr int kVec = Traits::kDqVec;
   CUTE_UNROLL
-  for (int i = 0; i < size(coord); i += 2) {
-    const int row = row0 + get<0>(coord(i));
-    const int col = col0 + get<1>(coord(i));  // even; d is a multiple of 8
-    if (row < s_q && col < d) {
-      const float2 v = chunk[(i / 2) * Traits::kDqPairStride];
-      const Element lo(v.x * scale), hi(v.y * scale);
-      *reinterpret_cast<uint32_t*>(dq + ((int64_t(batch) * s_q + row) * h + head) * d + col) =
-          uint32_t(lo.raw()) | (uint32_t(hi.raw()) << 16);
+  for (int i = 0; i < size(coord); i += kVec) {
+    float v[kVec];
+    if constexpr (kVec == 4) {
+      *reinterpret_cast<float4*>(v) = *reinterpret_cast<const float4*>(part + Traits::dq_slot(i, tid));
+    } else {
+      *reinterpret_cast<float2*>(v) = *reinterpret_cast<const float2*>(part + Traits::dq_slot(i, tid));
+    }
+    CUTE_UNROLL
+    for (int j = 0; j < kVec; j += 2) {
+      const int row = row0 + get<0>(coord(i + j));
+      const int col = col0 + get<1>(coord(i + j));  // even; d is a multiple of 8
+      if (row < s_q && col < d) {
+        const Element lo(v[j] * scale), hi(v[j + 1] * scale);
+        *reinterpret_cast<uint32_t*>(dq + ((int64_t(batch) * s_q + row) * h + head) * d + col) =
+            uint32_t(lo.raw()) | (uint32_t(hi.raw()) << 16);
+      }
     }
   }
 }

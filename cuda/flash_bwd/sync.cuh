@@ -62,6 +62,15 @@ __device__ __forceinline__ void st_shared_f32x2(uint32_t smem_addr, float x, flo
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(smem_addr), "f"(x), "f"(y) : "memory");
 }
 
+// Four floats added to global memory with no value returned (REDG). atomicAdd(float4*) became
+// ATOMG with a discarded result in the d = 256 consumer, which waits for the L2's reply.
+__device__ __forceinline__ void red_global_add_f32x4(float* gmem_dst, float a, float b, float c,
+                                                     float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(gmem_dst), "f"(a), "f"(b),
+               "f"(c), "f"(d)
+               : "memory");
+}
+
 // gmem[i] += smem[i] for `bytes / 4` floats, issued by one thread as one asynchronous bulk
 // operation (TMA unit). Each element's add is atomic, so CTAs may reduce into the same block
 // concurrently. 16-byte aligned addresses, bytes a multiple of 16. Completion: bulk_commit +

@@ -167,22 +167,28 @@ struct BwdTraits {
 
   // dQ partials leave the CTA in "fragment order": per Q block a chunk of kBlockM * kHeadDim
   // floats, warpgroup wg's kDqRows x kDQ part at wg * kDqWgFloats, inside it the float pair
-  // (i, i+1) of accumulator thread t at (i / 2) * 256 + 2 t. A warp then stores 256 contiguous
-  // bytes (no bank conflicts) and the chunk is contiguous, so one bulk reduce adds it to the
-  // workspace; the postprocess maps fragments back to (row, column) with the same TiledMMA.
+  // (i, i+1) of accumulator thread t at dq_slot(i, t) = (i / 2) * 256 + 2 t (d = 256: fours,
+  // below). A warp then stores 256 contiguous bytes (no bank conflicts) and the chunk is
+  // contiguous, so one bulk reduce adds it to the workspace; the postprocess maps fragments back
+  // to (row, column) with the same TiledMMA.
   static constexpr int kDqWgFloats = kDqRows * kDQ;
   static constexpr int kDqChunkFloats = kBlockM * kHeadDim;
   static_assert(2 * kDqWgFloats == kDqChunkFloats);
   // Row and column of warpgroup wg's part inside the (kBlockM, kHeadDim) block.
   CUTE_HOST_DEVICE static constexpr int dq_row0(int wg) { return kDqAlongM ? wg * 64 : 0; }
   CUTE_HOST_DEVICE static constexpr int dq_col0(int wg) { return kDqAlongM ? 0 : wg * kDQ; }
-  // Distance between one thread's consecutive float pairs in a warpgroup's part: 128 threads x
-  // one float2 each.
-  static constexpr int kDqPairStride = 128;  // in float2
-  static_assert(kDqWgFloats % (2 * kDqPairStride) == 0, "whole pair rows per warpgroup part");
   // Through shared memory + a TMA bulk reduce issued by a dedicated warp when the chunk fits
-  // (d <= 192: +16..48 KB); d = 256 (208 KB without it) adds from registers with red.global.v2.
+  // (d <= 192: +16..48 KB); d = 256 (208 KB without it) adds from registers with red.global.v4.
   static constexpr bool kDqViaSmem = kHeadDim <= 192;
+  // A thread's partial moves as vectors of kDqVec consecutive accumulator elements: pairs through
+  // shared memory (st.shared.v2), fours at d = 256 (half the atomic instructions of pairs; one
+  // vector of every thread of a warpgroup makes 128 * kDqVec contiguous floats).
+  static constexpr int kDqVec = kDqViaSmem ? 2 : 4;
+  static_assert(kDqWgFloats % (128 * kDqVec) == 0, "whole vector rows per warpgroup part");
+  // Where accumulator element i of thread t sits in its warpgroup's part (floats).
+  CUTE_HOST_DEVICE static constexpr int dq_slot(int i, int t) {
+    return (i / kDqVec) * (128 * kDqVec) + kDqVec * t + i % kDqVec;
+  }
 
   // sdq buffers: two for key-major (d <= 128: 160-208 KB), so the bulk reduce of one Q block's
   // partial reads while the consumers store the next one; one at d >= 192 (no room).

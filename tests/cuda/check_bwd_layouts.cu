@@ -86,7 +86,7 @@ int check_bucket() {
         const int r = Traits::dq_row0(wg) + get<0>(coord(i));
         const int c = Traits::dq_col0(wg) + get<1>(coord(i));
         cell[r * kHeadDim + c]++;
-        slot[wg * Traits::kDqWgFloats + (i / 2) * 2 * Traits::kDqPairStride + 2 * t + (i % 2)]++;
+        slot[wg * Traits::kDqWgFloats + Traits::dq_slot(i, t)]++;
         if (i % 2 == 0 && (c % 2 != 0 || Traits::dq_row0(wg) + get<0>(coord(i + 1)) != r ||
                            Traits::dq_col0(wg) + get<1>(coord(i + 1)) != c + 1)) {
           fail("dQ pair not (r, c), (r, c + 1) with c even", wg, t, i);
