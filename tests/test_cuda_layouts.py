@@ -89,6 +89,16 @@ def test_forward_tile_scheduler_covers_every_tile_once(tmp_path):
   assert out.rstrip().endswith(": ok")
 
 
+def test_backward_grid_order_covers_every_tile_once_longest_first(tmp_path):
+  """The backward's grid orders (cuda/flash_bwd/tile_order.h): tests/cuda/check_bwd_tile_order.cu
+  walks each grid in launch order and checks that it maps onto every (K block, kv head, batch)
+  once, the K blocks of one pair in increasing order (deterministic mode relies on it) and, in the
+  longest-first order of causal problems, never decreasing inside a batch; and that the order is
+  chosen longest first only for causal / right-windowed problems within the L2 budget."""
+  out = _compile_and_run(tmp_path, "check_bwd_tile_order", with_cute=False)
+  assert out.rstrip().endswith("18 cases, 0 failures")
+
+
 def test_whole_row_block_ranges(tmp_path):
   """The whole-row kernels' block ranges and mask shortcuts (cuda/flash_fwd/block_info.h,
   cuda/flash_bwd/block_range.h) over the (q_len, k_len, diag) they take: tests/cuda/

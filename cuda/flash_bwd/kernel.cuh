@@ -102,9 +102,10 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
-  const int n_block = blockIdx.x;
-  const int hk = blockIdx.y;
-  const int bidb = blockIdx.z;
+  const TileOrder::Coord tile = p.order.coord(blockIdx.x, blockIdx.y, blockIdx.z);
+  const int n_block = tile.n_block;
+  const int hk = tile.hk;
+  const int bidb = tile.bidb;
   const int group = p.h / p.h_k;
   const BlockGeometry geom = p.geom;
   int m_begin, m_end;

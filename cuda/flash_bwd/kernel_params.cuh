@@ -7,6 +7,7 @@
 
 #include "flash_bwd/block_range.h"
 #include "flash_bwd/sync.cuh"
+#include "flash_bwd/tile_order.h"
 #include "flash_bwd/traits.cuh"
 
 namespace jax_fa3::flash_bwd {
@@ -36,6 +37,7 @@ struct KernelParams {
   const int* key_ranges;
   const int* key_covers;
   int num_granules;       // s_pad / 64
+  TileOrder order;        // which (K block, kv head, batch) each CTA takes (tile_order.h)
 };
 
 // Issue one warpgroup GEMM (all k-blocks) and commit it as one wgmma group; the caller waits.

@@ -125,8 +125,11 @@ cudaError_t run_flash_bwd(const FlashBwdParams& p, cudaStream_t stream) {
   constexpr int smem = Traits::kSmemBytes;
   JAX_FA3_RETURN_IF_CUDA_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  dim3 grid(static_cast<unsigned>(num_n_blocks), static_cast<unsigned>(p.h_k),
-            static_cast<unsigned>(p.b));
+  // Causal and right-windowed CTAs differ in length: launch the longest first where L2 allows
+  // (tile_order.h). Otherwise grid y holds the kv heads (h_k <= h <= 65535, checked above).
+  kp.order = TileOrder::for_problem(p.window_right, num_n_blocks, p.h, p.s_q, p.d);
+  const TileOrder::Dims dims = kp.order.grid(num_n_blocks, p.h_k, p.b);
+  const dim3 grid(dims.x, dims.y, dims.z);
   kernel<<<grid, Traits::kNumThreads, smem, stream>>>(kp);
   JAX_FA3_RETURN_IF_LAUNCH_ERROR();
 
