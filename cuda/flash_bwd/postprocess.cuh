@@ -2,8 +2,11 @@
 // (batch, head, Q block), one chunk in the main kernel's fragment order (Traits::kDqWgFloats);
 // this kernel undoes it with the same TiledMMA partition the consumers used, so the two cannot
 // disagree. One CTA of 256 threads per chunk: thread (wg, t) reads the vectors accumulator thread t
-// of consumer warpgroup wg held (coalesced: a warp reads 256 or 512 contiguous bytes per vector) and
-// writes them to dq (b, s_q, h, d), skipping padded rows and columns.
+// of consumer warpgroup wg held (coalesced: a warp reads 256 or 512 contiguous bytes per vector)
+// and puts them, scaled and converted, at their (row, column) of a shared tile; the tile then
+// leaves in 16-byte row pieces. Written straight from fragment order, a warp's store covered 8 rows
+// x 16 bytes, half of each 32-byte sector, with 4-byte stores: the kernel ran at about a quarter
+// of copy bandwidth.
 #pragma once
 #include <cstdint>
 
@@ -22,6 +25,7 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads)
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kDQ = Traits::kDQ;
+  constexpr int kHeadDim = Traits::kHeadDim;
   const int m = blockIdx.x;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
@@ -32,8 +36,12 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads)
   auto thr_dq = mma_dq.get_thread_slice(tid);
   Tensor coord =
       thr_dq.partition_C(make_identity_tensor(Shape<Int<Traits::kDqRows>, Int<kDQ>>{}));
-  const int row0 = m * kBlockM + Traits::dq_row0(wg);
   const int col0 = Traits::dq_col0(wg);
+
+  // Rows padded by 16 bytes: the 8 rows x 4 column pairs of one fragment store fall on 32
+  // different banks.
+  constexpr int kRowElems = kHeadDim + 8;
+  __shared__ alignas(16) Element tile[kBlockM * kRowElems];
 
   const float* part =
       dq_accum + q_block_index(batch, h, head, num_m_blocks, m) * int64_t(Traits::kDqChunkFloats) +
@@ -49,13 +57,25 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads)
     }
     CUTE_UNROLL
     for (int j = 0; j < kVec; j += 2) {
-      const int row = row0 + get<0>(coord(i + j));
-      const int col = col0 + get<1>(coord(i + j));  // even; d is a multiple of 8
-      if (row < s_q && col < d) {
-        const Element lo(v[j] * scale), hi(v[j + 1] * scale);
-        *reinterpret_cast<uint32_t*>(dq + ((int64_t(batch) * s_q + row) * h + head) * d + col) =
-            uint32_t(lo.raw()) | (uint32_t(hi.raw()) << 16);
-      }
+      const int row = Traits::dq_row0(wg) + get<0>(coord(i + j));
+      const int col = col0 + get<1>(coord(i + j));  // even
+      const Element lo(v[j] * scale), hi(v[j + 1] * scale);
+      *reinterpret_cast<uint32_t*>(&tile[row * kRowElems + col]) =
+          uint32_t(lo.raw()) | (uint32_t(hi.raw()) << 16);
+    }
+  }
+  __syncthreads();
+
+  // 16-byte pieces of 8 elements; d is a multiple of 8, so a piece is wholly inside or outside.
+  constexpr int kPiecesPerRow = kHeadDim / 8;
+  CUTE_UNROLL
+  for (int piece = threadIdx.x; piece < kBlockM * kPiecesPerRow; piece += Traits::kNumMmaThreads) {
+    const int r = piece / kPiecesPerRow;
+    const int col = (piece % kPiecesPerRow) * 8;
+    const int row = m * kBlockM + r;
+    if (row < s_q && col < d) {
+      *reinterpret_cast<uint4*>(dq + ((int64_t(batch) * s_q + row) * h + head) * d + col) =
+          *reinterpret_cast<const uint4*>(&tile[r * kRowElems + col]);
     }
   }
 }
