@@ -180,7 +180,7 @@ def _rotate_back(x, signs, cfg: Fp8Config):
   """The transpose of x -> H·diag(signs)·x (hadamard_transform): diag(signs)·H·x."""
   if not cfg.incoherent:
     return x
-  return (hadamard_transform(x).astype(jnp.float32) * signs).astype(x.dtype)
+  return hadamard_transform(x, signs=signs, inverse=True)
 
 
 def _backward_at_operands_local(q, k, v, out, lse, dout, signs, cfg: Fp8Config, dlse=None):

@@ -5,7 +5,8 @@ block-diagonal: each of the m contiguous blocks of p elements is multiplied by H
 (the full transform when d is a power of two; three blocks of 32 for d=96, of 64 for d=192).
 It is orthogonal for every d, which is all incoherent processing needs: rotating q and k by the
 same orthogonal R leaves q·k unchanged. An optional ±1 vector `signs` is applied first
-(x -> H·diag(signs)·x), giving a random orthogonal rotation when the signs are random.
+(x -> H·diag(signs)·x), giving a random orthogonal rotation when the signs are random;
+`inverse=True` undoes it (x -> diag(signs)·H·x, the transpose, since H is symmetric).
 """
 from __future__ import annotations
 
@@ -24,12 +25,12 @@ def hadamard_block_size(d: int) -> int:
   return d & (-d)
 
 
-def hadamard_reference(x, signs):
+def hadamard_reference(x, signs, inverse=False):
   d = x.shape[-1]
   p = hadamard_block_size(d)
   compute = jnp.float64 if x.dtype == jnp.float64 else jnp.float32
   y = x.astype(compute)
-  if signs is not None:
+  if signs is not None and not inverse:
     y = y * signs.astype(compute)
   lead = y.shape[:-1]
   # Butterfly stage h: pairs (j, j + h) inside each group of 2h; log2(p) stages, O(d log d).
@@ -40,37 +41,45 @@ def hadamard_reference(x, signs):
     y = jnp.stack([a + b, a - b], axis=-2)
     h *= 2
   y = y.reshape(lead + (d,)) * (1.0 / np.sqrt(p))
+  if signs is not None and inverse:
+    y = y * signs.astype(compute)
   return y.astype(x.dtype)
 
 
-def _hadamard_kernel(apply_signs: bool):
+def _hadamard_kernel(apply_signs: bool, inverse: bool = False):
   """The CUDA kernel treats every leading axis as rows, so a vmapped x is just more rows."""
 
   @jax.custom_batching.custom_vmap
   def call(x, signs32):
     return _ffi.call("jax_fa3_hadamard", jax.ShapeDtypeStruct(x.shape, x.dtype), x, signs32,
-                     apply_signs=np.bool_(apply_signs))
+                     apply_signs=np.bool_(apply_signs), signs_after=np.bool_(inverse))
 
   @call.def_vmap
   def _rule(axis_size, in_batched, x, signs32):
     x_batched, signs_batched = in_batched
     if not x_batched:
       x = jnp.broadcast_to(x[None], (axis_size,) + x.shape)
-    if signs_batched:  # per-lane signs: apply them here, then an unsigned transform
+    if signs_batched:  # per-lane signs: an unsigned transform, and the signs applied here
       lane_signs = signs32.reshape((axis_size,) + (1,) * (x.ndim - 2) + signs32.shape[-1:])
+      unsigned = _hadamard_kernel(False)
+      ones = jnp.ones(signs32.shape[-1:], jnp.float32)
+      if inverse:
+        return (unsigned(x, ones).astype(jnp.float32) * lane_signs).astype(x.dtype), True
       x = (x.astype(jnp.float32) * lane_signs).astype(x.dtype)
-      return _hadamard_kernel(False)(x, jnp.ones(signs32.shape[-1:], jnp.float32)), True
+      return unsigned(x, ones), True
     return call(x, signs32), True
 
   return call
 
 
-def hadamard_transform(x, *, signs=None):
+def hadamard_transform(x, *, signs=None, inverse=False):
   """Orthonormal (block-diagonal when d is not a power of two) Walsh–Hadamard transform.
 
   Args:
     x: array (..., d), float32/float64/bfloat16/float16, d >= 1.
     signs: optional (d,) array (normally ±1) multiplied into x before the transform.
+    inverse: the inverse of the transform with these signs, x -> diag(signs)·H·x (the signs
+      multiply the transform's output; without signs H is its own inverse).
   Returns:
     array like x.
   """
@@ -80,16 +89,19 @@ def hadamard_transform(x, *, signs=None):
     raise ValueError(f"x must have rank >= 1 and a non-empty last axis, got shape {x.shape}")
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise TypeError(f"x must have a floating dtype, got {x.dtype}")
+  if not isinstance(inverse, (bool, np.bool_)):
+    raise TypeError(f"inverse must be a bool, got {type(inverse).__name__}")
   d = x.shape[-1]
   if signs is not None:
     if not hasattr(signs, "shape") or tuple(signs.shape) != (d,):
       raise ValueError(f"signs must have shape ({d},) to match the last axis of x, "
                        f"got {getattr(signs, 'shape', type(signs).__name__)}")
   if np.dtype(x.dtype) not in _KERNEL_DTYPES or d > MAX_KERNEL_DIM or not _ffi.kernels_available():
-    return hadamard_reference(x, signs)
+    return hadamard_reference(x, signs, inverse)
   _ffi.ensure_registered()
   apply_signs = signs is not None
   signs32 = (jnp.asarray(signs, jnp.float32) if apply_signs else jnp.ones((d,), jnp.float32))
 
-  return jax.lax.platform_dependent(x, signs32, cuda=_hadamard_kernel(apply_signs),
-                                    default=lambda x, s: hadamard_reference(x, signs))
+  inverse = bool(inverse) and apply_signs
+  return jax.lax.platform_dependent(x, signs32, cuda=_hadamard_kernel(apply_signs, inverse),
+                                    default=lambda x, s: hadamard_reference(x, signs, inverse))

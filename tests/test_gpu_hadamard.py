@@ -26,6 +26,25 @@ def test_kernel_matches_reference(d, dtype, tol):
   assert rel < tol, rel
 
 
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 8e-3)])
+def test_kernel_inverse_matches_reference_and_undoes_the_transform(d, dtype, tol):
+  rows = 999  # not a multiple of the rows per CTA of either kernel
+  x = jax.random.normal(jax.random.PRNGKey(d + 1), (rows, d), jnp.float32).astype(dtype)
+  signs = jnp.where(jax.random.bernoulli(jax.random.PRNGKey(2), 0.5, (d,)), 1.0, -1.0)
+  y = run_on_kernels(lambda x, s: jax_fa3.hadamard_transform(x, signs=s, inverse=True), x, signs,
+                     expected=HADAMARD)
+  ref = hadamard_reference(x.astype(jnp.float32), signs, inverse=True)
+  assert y.dtype == dtype
+  rel = float(jnp.linalg.norm(y.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+  assert rel < tol, rel
+  x32 = x.astype(jnp.float32)
+  back = run_on_kernels(
+      lambda x, s: jax_fa3.hadamard_transform(jax_fa3.hadamard_transform(x, signs=s), signs=s,
+                                              inverse=True), x32, signs, expected=HADAMARD)
+  np.testing.assert_allclose(np.asarray(back), np.asarray(x32), rtol=1e-5, atol=1e-5)
+
+
 def test_kernel_is_called_and_vmaps():
   x = jax.random.normal(jax.random.PRNGKey(3), (3, 5, 128), jnp.bfloat16)
   batched = run_on_kernels(jax.vmap(lambda x, s: jax_fa3.hadamard_transform(x, signs=s)),
@@ -40,6 +59,7 @@ def test_kernel_rejects_bad_shape_via_ffi_error():
   message = ffi_error_message("""
     x = jnp.ones((4, 16), jnp.float32)
     call = jax.ffi.ffi_call("jax_fa3_hadamard", jax.ShapeDtypeStruct(x.shape, x.dtype))
-    result = lambda: call(x, jnp.ones((3,), jnp.float32), apply_signs=np.bool_(True))
+    result = lambda: call(x, jnp.ones((3,), jnp.float32), apply_signs=np.bool_(True),
+                          signs_after=np.bool_(False))
   """)
   assert "signs must have shape (16,)" in message

@@ -33,6 +33,23 @@ def test_matches_explicit_matrix(d, with_signs):
   np.testing.assert_allclose(np.asarray(y), _explicit(x, signs), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("d", [8, 96, 128])
+def test_inverse_is_the_transpose_and_undoes_the_transform(d):
+  rng = np.random.default_rng(d + 1)
+  x = rng.standard_normal((3, 5, d))
+  signs = rng.choice([-1.0, 1.0], size=d)
+  p = d & -d
+  full = np.kron(np.eye(d // p), _hadamard_matrix(p)) * signs[None, :]  # H·diag(signs)
+  y = jax_fa3.hadamard_transform(jnp.asarray(x), signs=jnp.asarray(signs), inverse=True)
+  np.testing.assert_allclose(np.asarray(y), x @ full, rtol=1e-12, atol=1e-12)  # (H·D)^T = D·H
+  back = jax_fa3.hadamard_transform(jax_fa3.hadamard_transform(jnp.asarray(x), signs=signs),
+                                    signs=signs, inverse=True)
+  np.testing.assert_allclose(np.asarray(back), x, rtol=1e-12, atol=1e-12)
+  batched = jax.vmap(lambda x, s: jax_fa3.hadamard_transform(x, signs=s, inverse=True))(
+      jnp.asarray(x[:2]), jnp.asarray(np.stack([signs, -signs])))
+  np.testing.assert_allclose(np.asarray(batched[1]), -(x[1] @ full), rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 1e-2), (jnp.float16, 2e-3)])
 def test_orthonormal_and_involutive(dtype, tol):
   x = jax.random.normal(jax.random.PRNGKey(0), (4, 7, 128), dtype)
@@ -64,5 +81,7 @@ def test_bad_inputs():
     jax_fa3.hadamard_transform(jnp.ones((4, 8), jnp.int32))
   with pytest.raises(ValueError, match=r"signs must have shape \(8,\)"):
     jax_fa3.hadamard_transform(jnp.ones((4, 8)), signs=jnp.ones((4,)))
+  with pytest.raises(TypeError, match="inverse must be a bool"):
+    jax_fa3.hadamard_transform(jnp.ones((4, 8)), inverse="yes")
   with pytest.raises(ValueError, match="rank >= 1"):
     jax_fa3.hadamard_transform(jnp.ones(()))

@@ -11,7 +11,7 @@ using ffi_util::invalid;
 using ffi_util::shape_str;
 
 ffi::Error hadamard_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> signs,
-                         bool apply_signs, ffi::Result<ffi::AnyBuffer> y) {
+                         bool apply_signs, bool signs_after, ffi::Result<ffi::AnyBuffer> y) {
   const auto dims = x.dimensions();
   if (dims.size() < 1) return invalid("hadamard_transform: x must have rank >= 1, got a scalar");
   const int64_t d = dims.back();
@@ -31,7 +31,7 @@ ffi::Error hadamard_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
         ffi_util::check_shape("hadamard_transform", "signs", "shape", signs.dimensions(), {d}));
   }
   HadamardParams params{x.untyped_data(), apply_signs ? signs.typed_data() : nullptr,
-                        y->untyped_data(), static_cast<int64_t>(x.element_count() / d),
+                        signs_after, y->untyped_data(), static_cast<int64_t>(x.element_count() / d),
                         static_cast<int>(d), *dtype};
   return ffi_util::poison_and_launch(
       "hadamard_transform", stream, [&] { return launch_hadamard(params, stream); }, y);
@@ -45,5 +45,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3Hadamard, jax_fa3::hadamard_impl,
                                   .Arg<xla::ffi::AnyBuffer>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()
                                   .Attr<bool>("apply_signs")
+                                  .Attr<bool>("signs_after")
                                   .Ret<xla::ffi::AnyBuffer>(),
                               {xla::ffi::Traits::kCmdBufferCompatible});

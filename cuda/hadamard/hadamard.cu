@@ -7,15 +7,102 @@ namespace jax_fa3 {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kWarpsPerCta = kThreads / 32;
 
-// One CTA transforms `rows_per_cta` rows staged in shared memory as fp32. Memory-bound: the
-// butterflies are cheap next to one read and one write of the row.
+// Butterfly stage h of the transform pairs elements (j, j + h) inside each block of 2h elements:
+// the lower becomes a + b, the upper a - b. Both kernels run the stages in the order h = 1, 2, 4,
+// ..., with the same operations, so they agree bit for bit with each other and with
+// hadamard_reference's float32 path.
+
+// d = 32 * kPerLane (32, 64, 128, 256): a warp transforms a row in registers, lane l holding
+// elements [l * kPerLane, +kPerLane). Stages h < kPerLane stay inside a thread; the others pair
+// lane l with lane l ^ (h / kPerLane) by a shuffle. Memory-bound: each warp first issues the loads
+// of kRows rows (kPerLane * sizeof(T) bytes a lane each), so enough bytes are in flight per SM.
+template <typename T, int kPerLane, int kRows>
+__global__ void __launch_bounds__(kThreads) hadamard_rows_kernel(const T* __restrict__ x,
+                                                                  const float* __restrict__ signs,
+                                                                  bool signs_after,
+                                                                  T* __restrict__ y, int64_t rows,
+                                                                  float scale) {
+  constexpr int kD = 32 * kPerLane;
+  constexpr int kBytes = kPerLane * int(sizeof(T));  // 2..32: one or two vector accesses
+  static_assert(kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16 || kBytes == 32);
+  using Piece = std::conditional_t<
+      kBytes == 2, uint16_t,
+      std::conditional_t<kBytes == 4, uint32_t, std::conditional_t<kBytes == 8, uint2, uint4>>>;
+  constexpr int kPieces = kBytes == 32 ? 2 : 1;
+  union Lane {
+    Piece piece[kPieces];
+    T elem[kPerLane];
+  };
+  const int lane = threadIdx.x % 32;
+  const int64_t first_row =
+      (int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32) * kRows;
+
+  float sign[kPerLane];
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) sign[e] = signs != nullptr ? signs[lane * kPerLane + e] : 1.f;
+
+  Lane in[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (first_row + r < rows) {
+      const Piece* src = reinterpret_cast<const Piece*>(x + (first_row + r) * kD + lane * kPerLane);
+#pragma unroll
+      for (int c = 0; c < kPieces; ++c) in[r].piece[c] = src[c];
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (first_row + r >= rows) continue;  // whole warps: the shuffles below stay warp-uniform
+    float v[kPerLane];
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) {
+      v[e] = to_float(in[r].elem[e]);
+      if (!signs_after) v[e] *= sign[e];
+    }
+#pragma unroll
+    for (int h = 1; h < kPerLane; h <<= 1) {
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) {
+        if ((e & h) == 0) {
+          const float a = v[e], b = v[e + h];
+          v[e] = a + b;
+          v[e + h] = a - b;
+        }
+      }
+    }
+#pragma unroll
+    for (int lanes = 1; lanes < 32; lanes <<= 1) {
+      const bool upper = (lane & lanes) != 0;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) {
+        const float other = __shfl_xor_sync(0xffffffffu, v[e], lanes);
+        v[e] = upper ? other - v[e] : v[e] + other;
+      }
+    }
+    Lane out;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) {
+      float w = v[e] * scale;
+      if (signs_after) w *= sign[e];
+      out.elem[e] = from_float<T>(w);
+    }
+    Piece* dst = reinterpret_cast<Piece*>(y + (first_row + r) * kD + lane * kPerLane);
+#pragma unroll
+    for (int c = 0; c < kPieces; ++c) dst[c] = out.piece[c];
+  }
+}
+
+// Any d up to kHadamardMaxDim: one CTA transforms `rows_per_cta` rows staged in shared memory as
+// fp32, in blocks of block_pow2 (the block-diagonal transform when d is not a power of two).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) hadamard_kernel(const T* __restrict__ x,
-                                                             const float* __restrict__ signs,
-                                                             T* __restrict__ y, int64_t rows, int d,
-                                                             int block_pow2, int rows_per_cta,
-                                                             float scale) {
+__global__ void __launch_bounds__(kThreads) hadamard_smem_kernel(const T* __restrict__ x,
+                                                                  const float* __restrict__ signs,
+                                                                  bool signs_after,
+                                                                  T* __restrict__ y, int64_t rows,
+                                                                  int d, int block_pow2,
+                                                                  int rows_per_cta, float scale) {
   extern __shared__ float smem[];
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * rows_per_cta;
   const int n_rows = static_cast<int>(rows - row0 < rows_per_cta ? rows - row0 : rows_per_cta);
@@ -25,12 +112,10 @@ __global__ void __launch_bounds__(kThreads) hadamard_kernel(const T* __restrict_
 
   for (int i = threadIdx.x; i < n; i += kThreads) {
     float v = to_float(x_tile[i]);
-    if (signs != nullptr) v *= signs[i % d];
+    if (signs != nullptr && !signs_after) v *= signs[i % d];
     smem[i] = v;
   }
   __syncthreads();
-  // Butterfly stage `h`: pairs (j, j + h) inside each block of 2h elements. Blocks of block_pow2
-  // never mix, which gives the block-diagonal transform when d is not a power of two.
   for (int h = 1; h < block_pow2; h <<= 1) {
     for (int pair = threadIdx.x; pair < n / 2; pair += kThreads) {
       const int lo = (pair / h) * 2 * h + (pair % h);
@@ -41,24 +126,57 @@ __global__ void __launch_bounds__(kThreads) hadamard_kernel(const T* __restrict_
     }
     __syncthreads();
   }
-  for (int i = threadIdx.x; i < n; i += kThreads) y_tile[i] = from_float<T>(smem[i] * scale);
+  for (int i = threadIdx.x; i < n; i += kThreads) {
+    float w = smem[i] * scale;
+    if (signs != nullptr && signs_after) w *= signs[i % d];
+    y_tile[i] = from_float<T>(w);
+  }
+}
+
+template <typename T, int kPerLane>
+cudaError_t launch_rows(const HadamardParams& p, cudaStream_t stream) {
+  // About 32 bytes per lane in flight: 4 rows of 8 bytes (bf16 d = 128), 2 of 16, 1 of 32.
+  constexpr int kLaneBytes = kPerLane * int(sizeof(T));
+  constexpr int kRows = kLaneBytes >= 32 ? 1 : 32 / kLaneBytes > 4 ? 4 : 32 / kLaneBytes;
+  constexpr int64_t kRowsPerCta = int64_t(kWarpsPerCta) * kRows;
+  const int64_t ctas = (p.rows + kRowsPerCta - 1) / kRowsPerCta;
+  if (ctas > 0x7fffffff) return cudaErrorInvalidValue;
+  const float scale = rsqrtf(static_cast<float>(32 * kPerLane));
+  hadamard_rows_kernel<T, kPerLane, kRows><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(
+      static_cast<const T*>(p.x), p.signs, p.signs_after, static_cast<T*>(p.y), p.rows, scale);
+  JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+  return cudaSuccess;
 }
 
 template <typename T>
 cudaError_t launch_typed(const HadamardParams& p, cudaStream_t stream) {
+  // Vector accesses need 2..16-byte aligned rows: XLA's buffers are at least 16-byte aligned and
+  // every row starts at a multiple of d * sizeof(T) >= 64 bytes.
+  const bool aligned = reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(p.y) % 16 == 0;
+  if (aligned) {
+    switch (p.d) {
+      case 32: return launch_rows<T, 1>(p, stream);
+      case 64: return launch_rows<T, 2>(p, stream);
+      case 128: return launch_rows<T, 4>(p, stream);
+      case 256: return launch_rows<T, 8>(p, stream);
+      default: break;
+    }
+  }
   const int block_pow2 = p.d & (-p.d);
   const int rows_per_cta = p.d >= 1024 ? 1 : 1024 / p.d;  // ~4 KB of fp32 per CTA at least
   const int64_t ctas = (p.rows + rows_per_cta - 1) / rows_per_cta;
   if (ctas > 0x7fffffff) return cudaErrorInvalidValue;
   const size_t smem_bytes = sizeof(float) * static_cast<size_t>(rows_per_cta) * p.d;
   if (smem_bytes > 48 * 1024) {
-    JAX_FA3_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(
-        hadamard_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes)));
+    JAX_FA3_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(hadamard_smem_kernel<T>,
+                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                      static_cast<int>(smem_bytes)));
   }
   const float scale = rsqrtf(static_cast<float>(block_pow2));
-  hadamard_kernel<T><<<static_cast<unsigned>(ctas), kThreads, smem_bytes, stream>>>(
-      static_cast<const T*>(p.x), p.signs, static_cast<T*>(p.y), p.rows, p.d, block_pow2,
-      rows_per_cta, scale);
+  hadamard_smem_kernel<T><<<static_cast<unsigned>(ctas), kThreads, smem_bytes, stream>>>(
+      static_cast<const T*>(p.x), p.signs, p.signs_after, static_cast<T*>(p.y), p.rows, p.d,
+      block_pow2, rows_per_cta, scale);
   JAX_FA3_RETURN_IF_LAUNCH_ERROR();
   return cudaSuccess;
 }

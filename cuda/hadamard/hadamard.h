@@ -1,4 +1,5 @@
-// Orthonormal Walsh–Hadamard transform over the last axis, optionally after a ±1 diagonal.
+// Orthonormal Walsh–Hadamard transform over the last axis, optionally after a ±1 diagonal
+// (y = H·diag(signs)·x), or before it: its inverse, y = diag(signs)·H·x.
 //
 // For a row length d = p·m with p the largest power of two dividing d, the transform is
 // block-diagonal: each of the m contiguous blocks of p elements gets H_p / sqrt(p). For powers of
@@ -14,13 +15,15 @@ namespace jax_fa3 {
 struct HadamardParams {
   const void* x;        // [rows, d], contiguous, dtype
   const float* signs;   // [d] of ±1 (any values are applied as given), or nullptr
+  bool signs_after;     // multiply the transform's output by signs (the inverse), not its input
   void* y;              // [rows, d], same dtype as x
   int64_t rows;
   int d;
   DType dtype;
 };
 
-// Largest row length the shared-memory kernel accepts.
+// Largest row length accepted (d = 32, 64, 128, 256 run a register kernel, a warp per row; other
+// lengths a shared-memory kernel).
 constexpr int kHadamardMaxDim = 8192;
 
 cudaError_t launch_hadamard(const HadamardParams& params, cudaStream_t stream);
