@@ -3,7 +3,9 @@
 // this kernel undoes it with the same TiledMMA partition the consumers used, so the two cannot
 // disagree. One CTA of 256 threads per chunk: thread (wg, t) reads the vectors accumulator thread t
 // of consumer warpgroup wg held (coalesced: a warp reads 256 or 512 contiguous bytes per vector) and
-// writes them to dq (b, s_q, h, d), skipping padded rows and columns.
+// writes them to dq (b, s_q, h, d), skipping padded rows and columns. The fp8 kernel's dq is
+// float32 and scaled per row instead: dq = dq_accum * row_scale (b, h, s_q) (the caller's
+// softmax_scale / (2^8 r) of each row).
 #pragma once
 #include <cstdint>
 
@@ -16,8 +18,9 @@ namespace jax_fa3::flash_bwd {
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNumMmaThreads)
     flash_bwd_postprocess_kernel(const float* __restrict__ dq_accum,
-                                 typename Traits::Element* __restrict__ dq, int s_q, int h, int d,
-                                 int num_m_blocks, float scale) {
+                                 typename Traits::ElementGrad* __restrict__ dq, int s_q, int h,
+                                 int d, int num_m_blocks, float scale,
+                                 const float* __restrict__ row_scale = nullptr) {
   using namespace cute;
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -52,9 +55,14 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads)
       const int row = row0 + get<0>(coord(i + j));
       const int col = col0 + get<1>(coord(i + j));  // even; d is a multiple of 8
       if (row < s_q && col < d) {
-        const Element lo(v[j] * scale), hi(v[j + 1] * scale);
-        *reinterpret_cast<uint32_t*>(dq + ((int64_t(batch) * s_q + row) * h + head) * d + col) =
-            uint32_t(lo.raw()) | (uint32_t(hi.raw()) << 16);
+        const int64_t at = ((int64_t(batch) * s_q + row) * h + head) * d + col;
+        if constexpr (Traits::kFp8) {
+          const float rs = __ldg(row_scale + (int64_t(batch) * h + head) * s_q + row);
+          *reinterpret_cast<float2*>(dq + at) = make_float2(v[j] * rs, v[j + 1] * rs);
+        } else {
+          const Element lo(v[j] * scale), hi(v[j + 1] * scale);
+          *reinterpret_cast<uint32_t*>(dq + at) = uint32_t(lo.raw()) | (uint32_t(hi.raw()) << 16);
+        }
       }
     }
   }
