@@ -16,6 +16,7 @@ from jax_fa3 import _fp8_backward, _fp8_forward, _fp8_quantize, _validation, fp8
 from jax_fa3._config import Fp8Config
 from jax_fa3.fp8 import flash_attention_fp8
 from oracle import attention_oracle_grads, visibility_mask
+from outlier_inputs import outlier_qkv_dout
 
 
 def _normal(seed, *shapes, dtype=jnp.bfloat16):
@@ -107,18 +108,6 @@ def test_scale_folding_is_exact_without_rounding(monkeypatch, d, s_q, s_k, causa
     assert _rel(a, b) < 5e-3, (name, _rel(a, b))
 
 
-def _outlier_inputs(seed, s, h, d):
-  """N(0,1) + N(0, variance 100) · Bernoulli(0.001) (FA3 paper, Table 3), bf16; dout N(0, 1)."""
-  rng = np.random.default_rng(seed)
-
-  def one():
-    x = rng.standard_normal((1, s, h, d))
-    x += 10.0 * rng.standard_normal((1, s, h, d)) * (rng.random((1, s, h, d)) < 1e-3)
-    return jnp.asarray(x, jnp.bfloat16)
-
-  return one(), one(), one(), jnp.asarray(rng.standard_normal((1, s, h, d)), jnp.bfloat16)
-
-
 def _grads(q, k, v, dout, **kwargs):
   loss = lambda q, k, v, dout: jnp.sum(flash_attention_fp8(q, k, v, **kwargs).astype(jnp.float32)
                                        * dout.astype(jnp.float32))
@@ -131,7 +120,7 @@ def test_accuracy_on_outlier_inputs(causal):
   # "fp8" / "bf16" = 0.99-1.01 (dq), 1.03-1.11 (dk), 1.20-1.39 (dv), since the fp8 forward's own
   # error (out, lse, the quantized q and k) dominates both; fp8's errors are 5-8% (bf16 backward
   # at the unquantized inputs: 0.3%), and the rotation lowers each of them, by 1.01-1.49x.
-  q, k, v, dout = _outlier_inputs(0, 512, 2, 128)
+  q, k, v, dout = outlier_qkv_dout(0, (1, 512, 2, 128))
   want = attention_oracle_grads(q, k, v, dout, softmax_scale=128**-0.5,
                                 window_right=0 if causal else -1)
   fp8_rot = _grads(q, k, v, dout, causal=causal, backward="fp8")

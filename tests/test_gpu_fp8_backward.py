@@ -41,6 +41,7 @@ from ffi_probe import ffi_error_message  # noqa: E402
 from kernel_targets import (FLASH_BWD, FLASH_BWD_FP8, FLASH_FWD_FP8,  # noqa: E402
                             compile_on_kernels, compiled_text, kernel_targets, run_on_kernels)
 from oracle import attention_oracle_grads  # noqa: E402
+from outlier_inputs import outlier_qkv_dout  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -210,18 +211,6 @@ def test_vmap_folds_into_the_batch():
       np.testing.assert_array_equal(np.asarray(a)[lane], np.asarray(b))
 
 
-def _outlier_inputs(seed, s, h, d):
-  """N(0,1) + N(0, variance 100) · Bernoulli(0.001) (FA3 paper, Table 3), bf16; dout N(0, 1)."""
-  rng = np.random.default_rng(seed)
-
-  def one():
-    x = rng.standard_normal((1, s, h, d))
-    x += 10.0 * rng.standard_normal((1, s, h, d)) * (rng.random((1, s, h, d)) < 1e-3)
-    return jnp.asarray(x, jnp.bfloat16)
-
-  return one(), one(), one(), jnp.asarray(rng.standard_normal((1, s, h, d)), jnp.bfloat16)
-
-
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
 def test_public_gradients_against_float64(causal, d):
@@ -230,7 +219,7 @@ def test_public_gradients_against_float64(causal, d):
   gradients, next to backward="bf16" on the same kernels. The CPU emulation measured "fp8" /
   "bf16" errors of 0.99-1.01 (dq), 1.03-1.11 (dk), 1.20-1.39 (dv) on these inputs
   (tests/test_fp8_backward.py); the kernel's own ~1e-2 adds in quadrature to ~5e-2."""
-  q, k, v, dout = _outlier_inputs(d, 512, 2, d)
+  q, k, v, dout = outlier_qkv_dout(d, (1, 512, 2, d))
   want = attention_oracle_grads(q, k, v, dout, softmax_scale=d**-0.5,
                                 window_right=0 if causal else -1)
 

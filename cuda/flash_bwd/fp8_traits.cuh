@@ -56,6 +56,7 @@ struct BwdTraitsFp8 : BwdTraits<kHeadDim_, Element_> {
   // q8 (kBlockM, d) and k8 (kBlockN, d): d contiguous. The transposed tiles (d, kBlockM): rows
   // contiguous. No warpgroup takes a d-slice of these (dK and dV span all of d in each), so any
   // swizzle width that divides a row works.
+  using ElementQs = ElementFp8;
   using SmemLayoutQs = decltype(cute::tile_to_shape(
       SmemAtomE4m3<kHeadDim>{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kHeadDim>>{}));
   using SmemLayoutK8 = decltype(cute::tile_to_shape(

@@ -92,6 +92,26 @@ void set_kernel_scalars(KernelParams<Traits>& kp, const FlashBwdParams& p, int s
   kp.num_granules = key_range_rows(p.s_q) / kKeyRangeGranule;
 }
 
+// The TMA descriptors of both kernels: the Q of S^T (Q, or q8: Traits::ElementQs), dO, K (K, or
+// the fp8 kernel's K~) and V, over the shapes set_kernel_scalars stored.
+template <typename Traits>
+void set_tma_q_do_k_v(KernelParams<Traits>& kp, const FlashBwdParams& p) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  const StrideSDHB stride_q = stride_sdhb(p.s_q, p.d, p.h);
+  const StrideSDHB stride_k = stride_sdhb(p.s_k, p.d, p.h_k);
+  auto tile_q = Shape<Int<Traits::kBlockM>, Int<Traits::kHeadDim>>{};
+  auto tile_k = Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{};
+  kp.tma_q = make_tma_load_sdhb(static_cast<const typename Traits::ElementQs*>(p.q), kp.shape_q,
+                                stride_q, typename Traits::SmemLayoutQs{}, tile_q);
+  kp.tma_do = make_tma_load_sdhb(static_cast<const Element*>(p.dout), kp.shape_q, stride_q,
+                                 typename Traits::SmemLayoutQ{}, tile_q);
+  kp.tma_k = make_tma_load_sdhb(static_cast<const Element*>(p.k), kp.shape_k, stride_k,
+                                typename Traits::SmemLayoutKV{}, tile_k);
+  kp.tma_v = make_tma_load_sdhb(static_cast<const Element*>(p.v), kp.shape_k, stride_k,
+                                typename Traits::SmemLayoutKV{}, tile_k);
+}
+
 // The main kernel over (K blocks, h_k, b), then the postprocess over (Q blocks, h, b): dq =
 // dq_accum * softmax_scale (fp8: * row_scale per row) in Traits::ElementGrad.
 template <typename Traits, typename Kernel, typename Params>
@@ -152,18 +172,7 @@ cudaError_t run_flash_bwd(const FlashBwdParams& p, cudaStream_t stream) {
   // 2. Main kernel, 3. postprocess.
   KernelParams<Traits> kp{};
   set_kernel_scalars(kp, p, s_q_pad, num_m_blocks);
-  const StrideSDHB stride_q = stride_sdhb(p.s_q, p.d, p.h);
-  const StrideSDHB stride_k = stride_sdhb(p.s_k, p.d, p.h_k);
-  auto tile_q = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{};
-  auto tile_k = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{};
-  kp.tma_q = make_tma_load_sdhb(static_cast<const Element*>(p.q), kp.shape_q, stride_q,
-                                typename Traits::SmemLayoutQ{}, tile_q);
-  kp.tma_do = make_tma_load_sdhb(static_cast<const Element*>(p.dout), kp.shape_q, stride_q,
-                                 typename Traits::SmemLayoutQ{}, tile_q);
-  kp.tma_k = make_tma_load_sdhb(static_cast<const Element*>(p.k), kp.shape_k, stride_k,
-                                typename Traits::SmemLayoutKV{}, tile_k);
-  kp.tma_v = make_tma_load_sdhb(static_cast<const Element*>(p.v), kp.shape_k, stride_k,
-                                typename Traits::SmemLayoutKV{}, tile_k);
+  set_tma_q_do_k_v(kp, p);
 
   const bool key_ranges = p.key_ranges != nullptr;
   auto kernel = key_ranges ? flash_bwd_kernel<Traits, false, true>
@@ -204,25 +213,16 @@ cudaError_t run_flash_bwd_fp8(const FlashBwdFp8Params& p, cudaStream_t stream) {
 
   Fp8KernelParams<Traits> kp{};
   set_kernel_scalars(kp, p, s_q_pad, num_m_blocks);
-  const StrideSDHB stride_q = stride_sdhb(p.s_q, p.d, p.h);
-  const StrideSDHB stride_k = stride_sdhb(p.s_k, p.d, p.h_k);
+  set_tma_q_do_k_v(kp, p);
   // (b, h, d, s_t) seen as (d, s_t, h, b): s_t contiguous.
   kp.shape_t = make_shape(p.d, s_t, p.h, p.b);
   const StrideSDHB stride_t =
       make_stride(int64_t(s_t), _1{}, int64_t(p.d) * s_t, int64_t(p.h) * p.d * s_t);
-  auto tile_q = Shape<Int<Traits::kBlockM>, Int<kHeadDim>>{};
   auto tile_k = Shape<Int<Traits::kBlockN>, Int<kHeadDim>>{};
   auto tile_t = Shape<Int<kHeadDim>, Int<Traits::kBlockM>>{};
-  kp.tma_q = make_tma_load_sdhb(static_cast<const ElementFp8*>(p.q), kp.shape_q, stride_q,
-                                typename Traits::SmemLayoutQs{}, tile_q);
-  kp.tma_do = make_tma_load_sdhb(static_cast<const Element*>(p.dout), kp.shape_q, stride_q,
-                                 typename Traits::SmemLayoutQ{}, tile_q);
-  kp.tma_k = make_tma_load_sdhb(static_cast<const Element*>(p.k), kp.shape_k, stride_k,
-                                typename Traits::SmemLayoutKV{}, tile_k);
-  kp.tma_v = make_tma_load_sdhb(static_cast<const Element*>(p.v), kp.shape_k, stride_k,
-                                typename Traits::SmemLayoutKV{}, tile_k);
-  kp.tma_k8 = make_tma_load_sdhb(static_cast<const ElementFp8*>(p.k8), kp.shape_k, stride_k,
-                                 typename Traits::SmemLayoutK8{}, tile_k);
+  kp.tma_k8 = make_tma_load_sdhb(static_cast<const ElementFp8*>(p.k8), kp.shape_k,
+                                 stride_sdhb(p.s_k, p.d, p.h_k), typename Traits::SmemLayoutK8{},
+                                 tile_k);
   kp.tma_qt = make_tma_load_sdhb(static_cast<const ElementFp8*>(p.q_t), kp.shape_t, stride_t,
                                  typename Traits::SmemLayoutT8{}, tile_t);
   kp.tma_dot = make_tma_load_sdhb(static_cast<const ElementFp8*>(p.dout_t), kp.shape_t,

@@ -170,6 +170,7 @@ struct BwdTraits {
       cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
   // The Q tile of the S (S^T) GEMM, its TMA and its elements per stage: Q itself here, e4m3 q8 in
   // the fp8 variant (dO keeps SmemLayoutQ / TmaQ / kSizeQ in both).
+  using ElementQs = Element;
   using SmemLayoutQs = SmemLayoutQ;
   using TmaQs = TmaQ;
 
