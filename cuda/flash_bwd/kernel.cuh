@@ -113,7 +113,7 @@ __device__ __forceinline__ void load_fp8_stage(Fp8KernelParams<Traits> const& p,
 // LSE and D. A separate instantiation, so that the whole-row kernel keeps its geometry in the
 // constant bank (a per-row geometry in registers changed ptxas's schedule of the main loop).
 // Traits: BwdTraits, or BwdTraitsFp8 (fp8_traits.cuh: whole rows, no softcap), whose producer
-// loads k8 with K and V, and q8^T, dO8^T and two more row vectors with each Q block.
+// loads k8 with K~ and V, and q8^T, dO8^T and two more row vectors with each Q block.
 template <typename Traits, bool kSoftcap, bool kKeyRanges>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     flash_bwd_kernel(CUTE_GRID_CONSTANT KernelParamsOf<Traits> const p) {
