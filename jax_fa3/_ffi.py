@@ -157,6 +157,14 @@ def flash_bwd_workspace_bytes(b: int, h: int, s_q: int, d: int, deterministic: b
   return int(module.flash_bwd_workspace_bytes(b, h, s_q, d, deterministic))
 
 
+def flash_bwd_fp8_workspace_bytes(b: int, h: int, s_q: int, d: int, deterministic: bool) -> int:
+  """Size of the workspace result the fp8 backward handler needs (the formula lives in C++ only)."""
+  module, reason = _extension()
+  if module is None:
+    raise RuntimeError(f"jax_fa3 kernels unavailable: {reason}")
+  return int(module.flash_bwd_fp8_workspace_bytes(b, h, s_q, d, deterministic))
+
+
 def flash_fwd_fp8_workspace_bytes(b: int, s_q: int, s_k: int, h: int, h_k: int, d: int,
                                   masked: bool, v_transposed: bool) -> int:
   """Size of the workspace result the fp8 forward handler needs (the formula lives in C++ only)."""

@@ -1,5 +1,7 @@
 """Pure-JAX emulation of the FP8 attention backward's numerics (the numerics `backward="fp8"` is
-defined by; the Hopper kernel for it is not written yet).
+defined by): the CPU path, and the oracle of the Hopper kernel (`jax_fa3_flash_bwd_fp8`,
+cuda/flash_bwd/fp8_traits.cuh), whose operands `jax_fa3._fp8_backward` builds from the same
+`backward_rows` and `dequantized_keys`.
 
 Three of the backward's five GEMMs take e4m3 operands: S = q·k (the forward's own quantized,
 rotated q8 and k8, so the scores are exactly the forward's), dV = Pᵀ·dO and dK = dSᵀ·q. The other
@@ -35,8 +37,11 @@ compare a kernel with this to a tolerance, not bitwise.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
+
+from typing import NamedTuple
 
 from jax_fa3._config import Fp8Config
 from jax_fa3._fp8_emulation import LAZY_MAX_MARGIN_LOG2, tiles, visible_pairs
@@ -56,18 +61,45 @@ def backward_tile_q(d: int) -> int:
   return 128 if d <= 64 else 64
 
 
-def _dout_ratio(dout, h_k):
-  """dO8 (f32 values), r (b, h, s_q) and s_max (b, h_k) as in the module docstring."""
+def operand_dtype(dtype):
+  """The 16-bit operand type of dP and dQ: the inputs' where they are 16-bit, else bfloat16."""
+  return dtype if dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
+
+
+class BackwardRows(NamedTuple):
+  """What the backward needs per query row (b, h, s_q) float32, and dO in e4m3."""
+  do8: jax.Array      # (b, s_q, h, d) e4m3: dO in blocks of DOUT_BLOCK tokens
+  lse2: jax.Array     # (LSE - ln(2^8 r)) * log2(e); +inf where r = 0 or the row saw no key
+  delta: jax.Array    # D = sum dO * out (- dlse)
+  unscale: jax.Array  # 1 / (2^8 r), 0 where r = 0
+  s_max: jax.Array    # (b, h_k): the largest dO block scale of the kv head's query heads
+
+
+def backward_rows(out, lse, dout, h_k, dlse=None) -> BackwardRows:
+  """dO quantized, r folded into the LSE row, D (module docstring)."""
   b, s_q, h, _ = dout.shape
+  f32 = jnp.float32
   amax = block_amax(dout, DOUT_BLOCK)  # (b, h, n_blocks)
-  values, scales = quantize_blocks(dout, DOUT_BLOCK, amax=amax)
+  do8, scales = quantize_blocks(dout, DOUT_BLOCK, amax=amax)
   real = amax != 0  # blocks with a nonzero (or NaN) dO
   group = jnp.where(real, scales, 0.0).reshape(b, h_k, h // h_k, -1)
   s_max = group.max(axis=(2, 3))  # (b, h_k)
   s_max_h = jnp.repeat(s_max, h // h_k, axis=1)[..., None]
   ratio = jnp.where(real & (s_max_h > 0), scales / jnp.where(s_max_h > 0, s_max_h, 1.0), 0.0)
-  ratio = jnp.repeat(ratio, DOUT_BLOCK, axis=-1)[..., :s_q]
-  return values.astype(jnp.float32), ratio, s_max
+  ratio = jnp.repeat(ratio, DOUT_BLOCK, axis=-1)[..., :s_q]  # r (b, h, s_q)
+  delta = jnp.einsum("bqhd,bqhd->bhq", dout.astype(f32), out.astype(f32), precision=_HIGHEST)
+  if dlse is not None:
+    delta = delta - dlse.astype(f32)
+  prescale = f32(2.0**P_PRESCALE_LOG2)
+  # The LSE with r folded in, in the log2 domain the kernel's exp2 takes.
+  lse2 = (lse.astype(f32) - jnp.log(prescale * ratio)) * f32(_LOG2E)
+  unscale = jnp.where(ratio > 0, 1.0 / (prescale * jnp.where(ratio > 0, ratio, 1.0)), 0.0)
+  return BackwardRows(do8, lse2, delta, unscale, s_max)
+
+
+def dequantized_keys(k8, k_token_scale, op16):
+  """k~ of the dQ GEMM: k8 times each token's scale ((b, s_k, h_k, 1)), rounded to op16."""
+  return (k8.astype(jnp.float32) * k_token_scale).astype(op16)
 
 
 def emulated_backward(q8, q_scale, k8, k_scale, v, out, lse, dout, cfg: Fp8Config, dlse=None):
@@ -83,24 +115,17 @@ def emulated_backward(q8, q_scale, k8, k_scale, v, out, lse, dout, cfg: Fp8Confi
   tile = backward_tile_q(d)
   f32 = jnp.float32
   scale = f32(att.softmax_scale)
-  # The 16-bit operand type of dP and dQ: the inputs' where they are 16-bit, else bfloat16.
-  op16 = v.dtype if v.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
+  op16 = operand_dtype(v.dtype)
 
-  do8, ratio, s_max = _dout_ratio(dout, h_k)  # ratio (b, h, s_q)
+  do8, lse2, delta, unscale, s_max = backward_rows(out, lse, dout, h_k, dlse)
+  do8 = do8.astype(f32)
   dout32 = dout.astype(f32)
-  delta = jnp.einsum("bqhd,bqhd->bhq", dout32, out.astype(f32), precision=_HIGHEST)
-  if dlse is not None:
-    delta = delta - dlse.astype(f32)
   prescale = f32(2.0**P_PRESCALE_LOG2)
-  # The LSE with r folded in (natural log, as the kernel's LSE input: it multiplies by log2(e)
-  # itself); +inf where r = 0 or the row saw no key, so that P' = 0 there.
-  lse2 = (lse.astype(f32) - jnp.log(prescale * ratio)) * f32(_LOG2E)
-  unscale = jnp.where(ratio > 0, 1.0 / (prescale * jnp.where(ratio > 0, ratio, 1.0)), 0.0)
   q_row_scale = per_token(q_scale, cfg.block_size, s_q)[..., 0]  # (b, s_q, h)
   q_row_scale = jnp.swapaxes(q_row_scale, 1, 2)  # (b, h, s_q)
   k_token_scale = per_token(k_scale, cfg.block_size, s_k)  # (b, s_k, h_k, 1)
   k_col_scale = jnp.swapaxes(k_token_scale[..., 0], 1, 2)  # (b, h_k, s_k)
-  k_used = (k8.astype(f32) * k_token_scale).astype(op16).astype(f32)
+  k_used = dequantized_keys(k8, k_token_scale, op16).astype(f32)
 
   def by_group(x):  # (b, h, ...) -> (b, h_k, g, ...)
     return x.reshape((b, h_k, g) + x.shape[2:])

@@ -8,8 +8,9 @@ from floats runs as one partitioned op (`jax_fa3._partitioning`). Gradients pass
 through the quantization: `backward="bf16"` runs the bf16/fp16/fp32 backward kernel
 (`jax_fa3.attention`) at the rotated, quantized q and k from the fp8 forward's own output and
 log-sum-exp, `"recompute"` recomputes the unquantized forward first so that the gradient is
-exactly `flash_attention`'s; `"fp8"` runs the fp8 backward's numerics
-(`jax_fa3._fp8_backward_emulation`, in pure JAX until its kernel exists).
+exactly `flash_attention`'s; `"fp8"` runs the fp8 backward (`jax_fa3._fp8_backward`: its Hopper
+kernel, or off Hopper the pure-JAX emulation `jax_fa3._fp8_backward_emulation` that defines its
+numerics).
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fa3 import _ffi, _fp8_forward, _fp8_quantize, _local_attention, _partitioning, attention
-from jax_fa3._fp8_backward_emulation import emulated_backward
+from jax_fa3 import (_fp8_backward, _fp8_forward, _fp8_quantize, _local_attention, _partitioning,
+                     attention)
 from jax_fa3._config import DEFAULT_BLOCK_SIZE, AttentionConfig, Fp8Config
 from jax_fa3._fp8_quantize import E4M3, FP8_INPUT_DTYPES
 from jax_fa3.hadamard import hadamard_transform
@@ -193,14 +194,11 @@ def _backward_at_operands_local(q, k, v, out, lse, dout, signs, cfg: Fp8Config, 
 
 def _fp8_backward_local(q8, k8, v, out, lse, dout, q_rows, k_rows, signs, cfg: Fp8Config,
                         dlse=None):
-  """backward="fp8" on one device's blocks: from the forward's e4m3 q and k and their scales, the
-  fp8 backward's numerics (`jax_fa3._fp8_backward_emulation`; no kernel yet, so its pure-JAX form
-  everywhere), dq and dk rotated back, in out's and v's dtype (q's and k's)."""
-  _ffi.announce_once("fp8-backward", "jax_fa3: backward=\"fp8\" runs the pure-JAX emulation of the "
-                     "fp8 backward (no fp8 backward kernel is built yet)")
-  q_scale = _fp8_forward.block_scales(q_rows, cfg.block_size)
-  k_scale = _fp8_forward.block_scales(k_rows, cfg.block_size)
-  dq, dk, dv = emulated_backward(q8, q_scale, k8, k_scale, v, out, lse, dout, cfg, dlse=dlse)
+  """backward="fp8" on one device's blocks: from the forward's e4m3 q and k and their scales per
+  token, the fp8 backward (`jax_fa3._fp8_backward`: the kernel on Hopper, else the emulation),
+  dq and dk rotated back, in out's and v's dtype (q's and k's)."""
+  dq, dk, dv = _fp8_backward.fp8_backward(q8, k8, v, out, lse, dout, q_rows, k_rows, cfg,
+                                          dlse=dlse)
   return (_rotate_back(dq, signs, cfg).astype(out.dtype),
           _rotate_back(dk, signs, cfg).astype(v.dtype), dv.astype(v.dtype))
 
@@ -279,7 +277,7 @@ def _check_signs(signs, d):
 
 def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                         incoherent=True, block_size=None, key=None, signs=None,
-                        return_lse=False, v_mean=None, backward="bf16"):
+                        return_lse=False, v_mean=None, backward="bf16", deterministic=False):
   """Attention with q, k, v quantized to FP8 (e4m3): FlashAttention-3's FP8 forward.
 
   q and k are rotated by the same random orthogonal matrix H·diag(signs) (incoherent processing,
@@ -326,10 +324,13 @@ def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_siz
       "recompute": the unquantized forward runs again first, and the gradient is exactly that of
         `flash_attention(q, k, v)`, at the cost of a second (bf16) forward.
       "fp8": like "bf16", with three of the backward's five GEMMs in e4m3 (S, dV, dK; numerics in
-        `jax_fa3._fp8_backward_emulation`). On FlashAttention-3's outlier inputs its gradient
-        errors are those of "bf16" times 0.99-1.01 (dq), 1.03-1.11 (dk) and 1.20-1.39 (dv)
-        (benchmarks/fp8_accuracy.py --backward). There is no fp8 backward kernel yet: it runs
-        a pure-JAX emulation on every platform, slower than "bf16" on a GPU.
+        `jax_fa3._fp8_backward_emulation`), starting from the forward's own e4m3 q and k. On
+        FlashAttention-3's outlier inputs its gradient errors are those of "bf16" times
+        0.99-1.01 (dq), 1.03-1.11 (dk) and 1.20-1.39 (dv) (benchmarks/fp8_accuracy.py
+        --backward). On Hopper it runs the fp8 backward kernel (head_dim a multiple of 16 up to
+        128); elsewhere, and for larger head dims, its pure-JAX emulation (announced once).
+    deterministic: make the backward kernels ("bf16", "fp8") bit-reproducible (a fixed order of
+      the dq additions; slower). Ignored for pre-quantized inputs (not differentiable).
 
   Returns:
     out (batch, seqlen_q, heads, head_dim) in q's dtype (bfloat16 for pre-quantized inputs), or
@@ -344,6 +345,7 @@ def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_siz
   causal = check_bool("causal", causal)
   incoherent = check_bool("incoherent", incoherent)
   return_lse = check_bool("return_lse", return_lse)
+  deterministic = check_bool("deterministic", deterministic)
   if any(pairs):
     return _flash_attention_prequantized(q, k, v, pairs, softmax_scale=softmax_scale,
                                          causal=causal, window_size=window_size,
@@ -355,7 +357,7 @@ def flash_attention_fp8(q, k, v, *, softmax_scale=None, causal=False, window_siz
   check_attention_shapes(q, k, v)
   check_attention_dtypes(q, k, v, allowed=FP8_INPUT_DTYPES)
   att = attention_config(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                         window_size=window_size, softcap=0.0, deterministic=False)
+                         window_size=window_size, softcap=0.0, deterministic=deterministic)
   cfg = Fp8Config(att, block_size=check_block_size(block_size, allow_none=False),
                   incoherent=incoherent, return_lse=return_lse)
   d = q.shape[-1]

@@ -24,11 +24,12 @@ FLASH_FWD_KEY_RANGES = "jax_fa3_flash_fwd_key_ranges"  # lengths, segments: a ke
 FLASH_BWD_KEY_RANGES = "jax_fa3_flash_bwd_key_ranges"
 FLASH_FWD_PAGED = "jax_fa3_flash_fwd_paged"  # key ranges over a paged KV cache read in place
 FLASH_FWD_FP8 = "jax_fa3_flash_fwd_fp8"
+FLASH_BWD_FP8 = "jax_fa3_flash_bwd_fp8"
 ROTATE_QUANTIZE_FP8 = "jax_fa3_rotate_quantize_fp8"
 HADAMARD = "jax_fa3_hadamard"
 # Every target the extension registers; a test naming any other target is itself wrong.
 KNOWN_TARGETS = frozenset({FLASH_FWD, FLASH_BWD, FLASH_FWD_KEY_RANGES, FLASH_BWD_KEY_RANGES, FLASH_FWD_PAGED,
-                           FLASH_FWD_FP8, ROTATE_QUANTIZE_FP8, HADAMARD})
+                           FLASH_FWD_FP8, FLASH_BWD_FP8, ROTATE_QUANTIZE_FP8, HADAMARD})
 
 # StableHLO: `stablehlo.custom_call @name(`; compiled HLO: `custom_call_target="name"`.
 _TARGET_PATTERNS = (re.compile(r"stablehlo\.custom_call\s+@([A-Za-z0-9_.$-]+)"),

@@ -81,6 +81,25 @@ def test_fp8_forward_p_v_layout_fact_holds_for_every_bucket(tmp_path):
   assert tuple(int(x) for x in table.split(":")[1].split()) == _fp8_quantize.KEY_OF_SLOT
 
 
+def test_fp8_backward_layout_facts_hold_for_every_bucket(tmp_path):
+  """The fp8 backward (cuda/flash_bwd/fp8_traits.cuh) packs P'^T and the dK operand y^T in place
+  and reads q8 and dO8 transposed with their rows permuted per 32: tests/cuda/
+  check_fp8_bwd_layouts.cu checks with CuTe's fragment layouts that every packed A slot holds the
+  value of the row the permuted B stores there (and A·Bᵀ == Sᵀ·B on integers), that the e4m3 S^T
+  accumulator has the 16-bit one's layout, and that a thread's dK rows are its S^T key rows.
+  Its query tiles and dK-operand constants are the emulation's (jax_fa3._fp8_backward_emulation)."""
+  from jax_fa3 import _fp8_backward_emulation as emulation, _fp8_emulation  # noqa: PLC0415
+  out = _compile_and_run(tmp_path, "check_fp8_bwd_layouts")
+  assert out.count(": ok") == 2  # d64, d128
+  for bucket in (64, 128):
+    line = next(x for x in out.splitlines() if x.startswith(f"d={bucket} fp8"))
+    assert f"(tile {emulation.backward_tile_q(bucket)}x128," in line, line
+  constants = dict(line.split(": ") for line in out.splitlines() if line.startswith("dk_"))
+  assert float(constants["dk_prescale"]) == 2.0**emulation.Y_PRESCALE_LOG2
+  assert (np.float32(constants["dk_lazy_margin"])
+          == np.float32(2.0**_fp8_emulation.LAZY_MAX_MARGIN_LOG2))
+
+
 def test_forward_tile_scheduler_covers_every_tile_once(tmp_path):
   """The forward's persistent scheduler (cuda/flash_fwd/tile_scheduler.h) with the zigzag rounds of
   masked problems: tests/cuda/check_tile_scheduler.cu checks that the CTAs' tile sequences map onto

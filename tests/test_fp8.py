@@ -16,6 +16,7 @@ from jax_fa3 import _config, _fp8_emulation, _fp8_forward, _fp8_quantize
 from jax_fa3.fp8 import dequantize_fp8, flash_attention_fp8, quantize_fp8
 from kernel_targets import FLASH_FWD_FP8, assert_targets, compiled_text, kernel_targets
 from oracle import attention_oracle
+from outlier_inputs import outlier_arrays
 
 
 def _normal(seed, *shapes, dtype=jnp.bfloat16):
@@ -284,15 +285,7 @@ def test_weights_sum_to_one(causal):
 
 
 def _outlier_inputs(seed, b, s, h, d):
-  """N(0,1) + N(0, variance 100) · Bernoulli(0.001) (FA3 paper, Table 3), rounded to bf16."""
-  rng = np.random.default_rng(seed)
-
-  def one():
-    x = rng.standard_normal((b, s, h, d))
-    x += 10.0 * rng.standard_normal((b, s, h, d)) * (rng.random((b, s, h, d)) < 1e-3)
-    return jnp.asarray(x, jnp.bfloat16)
-
-  return one(), one(), one()
+  return outlier_arrays(np.random.default_rng(seed), (b, s, h, d), 3)
 
 
 @pytest.mark.parametrize("d", [128, 256])

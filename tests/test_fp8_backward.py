@@ -1,5 +1,7 @@
 """flash_attention_fp8(backward="fp8"): the fp8 backward's numerics (jax_fa3._fp8_backward_emulation)
-against independent float64 models, its accuracy on FlashAttention-3's outlier inputs, the API."""
+against independent float64 models, its accuracy on FlashAttention-3's outlier inputs, the API,
+and the operands its kernel is handed (jax_fa3._fp8_backward), through a NumPy model of the
+kernel's algorithm."""
 import functools
 
 import jax
@@ -10,10 +12,11 @@ import pytest
 
 import jax_fa3
 from jax_fa3 import _fp8_backward_emulation as emulation
-from jax_fa3 import _fp8_forward, _fp8_quantize, _validation, fp8
+from jax_fa3 import _fp8_backward, _fp8_forward, _fp8_quantize, _validation, fp8
 from jax_fa3._config import Fp8Config
 from jax_fa3.fp8 import flash_attention_fp8
 from oracle import attention_oracle_grads, visibility_mask
+from outlier_inputs import outlier_qkv_dout
 
 
 def _normal(seed, *shapes, dtype=jnp.bfloat16):
@@ -105,18 +108,6 @@ def test_scale_folding_is_exact_without_rounding(monkeypatch, d, s_q, s_k, causa
     assert _rel(a, b) < 5e-3, (name, _rel(a, b))
 
 
-def _outlier_inputs(seed, s, h, d):
-  """N(0,1) + N(0, variance 100) · Bernoulli(0.001) (FA3 paper, Table 3), bf16; dout N(0, 1)."""
-  rng = np.random.default_rng(seed)
-
-  def one():
-    x = rng.standard_normal((1, s, h, d))
-    x += 10.0 * rng.standard_normal((1, s, h, d)) * (rng.random((1, s, h, d)) < 1e-3)
-    return jnp.asarray(x, jnp.bfloat16)
-
-  return one(), one(), one(), jnp.asarray(rng.standard_normal((1, s, h, d)), jnp.bfloat16)
-
-
 def _grads(q, k, v, dout, **kwargs):
   loss = lambda q, k, v, dout: jnp.sum(flash_attention_fp8(q, k, v, **kwargs).astype(jnp.float32)
                                        * dout.astype(jnp.float32))
@@ -129,7 +120,7 @@ def test_accuracy_on_outlier_inputs(causal):
   # "fp8" / "bf16" = 0.99-1.01 (dq), 1.03-1.11 (dk), 1.20-1.39 (dv), since the fp8 forward's own
   # error (out, lse, the quantized q and k) dominates both; fp8's errors are 5-8% (bf16 backward
   # at the unquantized inputs: 0.3%), and the rotation lowers each of them, by 1.01-1.49x.
-  q, k, v, dout = _outlier_inputs(0, 512, 2, 128)
+  q, k, v, dout = outlier_qkv_dout(0, (1, 512, 2, 128))
   want = attention_oracle_grads(q, k, v, dout, softmax_scale=128**-0.5,
                                 window_right=0 if causal else -1)
   fp8_rot = _grads(q, k, v, dout, causal=causal, backward="fp8")
@@ -196,3 +187,110 @@ def test_backward_starts_from_the_forwards_quantized_operands():
   saved = [x for x in jax.tree.leaves(vjp) if hasattr(x, "shape") and x.shape == q.shape]
   assert {str(x.dtype) for x in saved} == {"float8_e4m3fn", "bfloat16"}  # q8, k8; v, out
   assert sum(x.dtype == jnp.bfloat16 for x in saved) == 2
+
+
+def _kernel_model(operands, cfg, s_q, s_k, h_k):
+  """The fp8 backward kernel's algorithm (cuda/flash_bwd/fp8_traits.cuh, consumer_key_major.cuh)
+  on its operands as `jax_fa3._fp8_backward.kernel_operands` lays them out, in float32 NumPy:
+  q8ᵀ and dO8ᵀ read back through the row permutation the kernel's packed A operands imply
+  (KEY_OF_SLOT), the padded row vectors read per query tile, the per-key lazy maxima of the dK
+  operand (cuda/flash_bwd/fp8_dk_operand.cuh) kept over (query head, tile), dq, dk, dv scaled on
+  the way out as the postprocess and the epilogue do."""
+  f32 = np.float32
+  e4m3 = lambda x: np.asarray(_fp8_quantize.to_e4m3(x), f32)
+  op16 = operands[4].dtype  # v's: the 16-bit type dS' is rounded to for dQ
+  round16 = lambda x: np.asarray(jnp.asarray(x).astype(op16).astype(jnp.float32), f32)
+  (q8, q8_t, k8, k_used, v16, do16, do8_t, lse2, delta, q_scale, dk_coef, dq_scale, k_scale,
+   dv_scale) = (np.asarray(x.astype(jnp.float32) if x.dtype != jnp.float32 else x, f32)
+                for x in operands)
+  b, _, h, d = q8.shape
+  s_t = q8_t.shape[-1]
+  slot = np.arange(s_t)
+  row_of_slot = slot // 32 * 32 + np.asarray(_fp8_quantize.KEY_OF_SLOT)[slot % 32]
+  do8 = np.zeros_like(do8_t)
+  do8[..., row_of_slot] = do8_t  # (b, h, d, s_t), rows in order again
+  q8_back = np.zeros_like(q8_t)
+  q8_back[..., row_of_slot] = q8_t
+  np.testing.assert_array_equal(q8_back[..., :s_q], np.einsum("bqhd->bhdq", q8))
+  np.testing.assert_array_equal(q8_back[..., s_q:], 0.0)
+  tile = emulation.backward_tile_q(d)
+  s_pad = lse2.shape[-1]
+  assert s_pad % tile == 0 and s_pad - s_q < tile and s_t == -(-s_q // 32) * 32
+  pad_rows = lambda x: np.pad(x, ((0, s_pad - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
+  score_log2 = f32(cfg.attention.softmax_scale) * f32(1.4426950408889634)
+  margin = f32(2.0**2.8)
+  visible = np.pad(visibility_mask(s_q, s_k, cfg.window_left, cfg.window_right),
+                   ((0, s_pad - s_q), (0, 0)))  # padded rows see nothing
+  dq = np.zeros((b, s_q, h, d), f32)
+  dk = np.zeros((b, s_k, h_k, d), f32)
+  dv = np.zeros((b, s_k, h_k, d), f32)
+  g = h // h_k
+  for bb in range(b):
+    for hk in range(h_k):
+      key_coef = score_log2 * k_scale[bb, hk]  # (s_k,)
+      running, inv = np.zeros(s_k, f32), np.full(s_k, f32(64.0))
+      dk_acc, dv_acc = np.zeros((s_k, d), f32), np.zeros((s_k, d), f32)
+      for qh in range(hk * g, hk * g + g):
+        q_rows = pad_rows(q8[bb, :, qh])
+        do_rows = pad_rows(do16[bb, :, qh])
+        do8_rows = np.pad(do8[bb, qh].T, ((0, max(0, s_pad - s_t)), (0, 0)))[:s_pad]
+        dq_rows = np.zeros((s_pad, d), f32)
+        for m in range(s_pad // tile):
+          r = slice(m * tile, m * tile + tile)
+          s_t_block = k8[bb, :, hk] @ q_rows[r].T  # S^T (keys, rows): exact e4m3 products
+          coef = q_scale[bb, qh, r][None, :] * key_coef[:, None]
+          with np.errstate(over="ignore", invalid="ignore"):
+            p = np.where(visible[r].T, np.exp2(s_t_block * coef - lse2[bb, qh, r][None, :]), 0.0)
+          p = p.astype(f32)
+          dv_acc += e4m3(p) @ do8_rows[r]
+          dp = v16[bb, :, hk] @ do_rows[r].T
+          ds = (p * (dp - delta[bb, qh, r][None, :])).astype(f32)
+          dq_rows[r] = round16(ds).T @ k_used[bb, :, hk]
+          w = dk_coef[bb, qh, r][None, :]
+          block_max = (np.abs(ds) * w).max(axis=1)
+          moved = block_max > running * margin
+          rescale = np.where(moved, np.where(running > 0, running / np.where(moved, block_max, 1),
+                                             0.0), 1.0).astype(f32)
+          running = np.where(moved, block_max, running).astype(f32)
+          inv = np.where(moved, f32(64.0) / np.where(moved, block_max, 1), inv).astype(f32)
+          dk_acc = dk_acc * rescale[:, None] + e4m3(ds * (w * inv[:, None])) @ q_rows[r]
+        dq[bb, :, qh] = dq_rows[:s_q] * dq_scale[bb, qh][:, None]
+      dk[bb, :, hk] = dk_acc * (running / f32(64.0) * f32(cfg.attention.softmax_scale))[:, None]
+      dv[bb, :, hk] = dv_acc * dv_scale[bb, hk]
+  return dq, dk, dv
+
+
+@pytest.mark.parametrize("d,s_q,s_k,h,h_k,causal,window", [
+    (64, 150, 200, 4, 2, True, (-1, -1)),    # 128-row tiles, rows that see no key
+    (128, 70, 130, 2, 1, False, (40, 10)),   # 64-row tiles, a band, GQA
+    (32, 33, 40, 2, 2, False, (-1, -1)),     # d below its bucket
+])
+def test_kernel_operands_reproduce_the_emulation(d, s_q, s_k, h, h_k, causal, window):
+  # What the fp8 backward kernel is handed (jax_fa3._fp8_backward.kernel_operands), run through a
+  # NumPy model of the kernel's algorithm, gives the emulation's gradients: the transposed,
+  # permuted copies, the padding, the row vectors and the final factors are the ones its
+  # numerics need. The two differ in float32 operation order only.
+  q, k, v, dout = _normal(d + s_q, (2, s_q, h, d), (2, s_k, h_k, d), (2, s_k, h_k, d),
+                          (2, s_q, h, d))
+  dout = dout.at[1, :64].multiply(2.0**-10)  # r < 1 for some rows
+  signs = jax.random.rademacher(jax.random.PRNGKey(d), (d,), dtype=jnp.float32)
+  cfg = _config(q, k, v, causal=causal, window=window)
+  out, lse, q8, q_scale, k8, k_scale = _forward(q, k, v, signs, cfg)
+  q_rows = _fp8_forward.token_scales(q_scale, cfg.block_size, s_q)
+  k_rows = _fp8_forward.token_scales(k_scale, cfg.block_size, s_k)
+  operands = _fp8_backward.kernel_operands(q8, k8, v, out, lse, dout, q_rows, k_rows, cfg)
+  b, tile = 2, emulation.backward_tile_q(d)
+  s_pad, s_t = -(-s_q // tile) * tile, -(-s_q // 32) * 32
+  expected = [((b, s_q, h, d), jnp.float8_e4m3fn), ((b, h, d, s_t), jnp.float8_e4m3fn),
+              ((b, s_k, h_k, d), jnp.float8_e4m3fn), ((b, s_k, h_k, d), jnp.bfloat16),
+              ((b, s_k, h_k, d), jnp.bfloat16), ((b, s_q, h, d), jnp.bfloat16),
+              ((b, h, d, s_t), jnp.float8_e4m3fn)] + [((b, h, s_pad), jnp.float32)] * 4 + [
+              ((b, h, s_q), jnp.float32), ((b, h_k, s_k), jnp.float32), ((b, h_k), jnp.float32)]
+  assert [(x.shape, x.dtype) for x in operands] == [(s, np.dtype(t)) for s, t in expected]
+  lse2, delta, q_pad, w_pad = (np.asarray(x) for x in operands[7:11])
+  assert np.all(np.isposinf(lse2[..., s_q:])) and not np.any(delta[..., s_q:])
+  assert not np.any(q_pad[..., s_q:]) and not np.any(w_pad[..., s_q:])
+  got = _kernel_model(operands, cfg, s_q, s_k, h_k)
+  want = emulation.emulated_backward(q8, q_scale, k8, k_scale, v, out, lse, dout, cfg)
+  for name, a, b_ in zip(("dq", "dk", "dv"), got, want):  # measured: at most 9e-7 (dq)
+    assert _rel(a, b_) < 1e-5, (name, _rel(a, b_))

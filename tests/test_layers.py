@@ -18,7 +18,7 @@ LAYERS = (
     ("foundations", ("_config", "_ffi", "_batching", "_validation", "reference", "_key_ranges")),
     ("single-device kernel calls and their pure-JAX fallbacks",
      ("hadamard", "_local_attention", "_fp8_quantize", "_fp8_emulation", "_fp8_forward",
-      "_fp8_backward_emulation")),
+      "_fp8_backward_emulation", "_fp8_backward")),
     ("partitioning rules", ("_partitioning",)),
     ("ring attention", ("ring",)),
     ("public API", ("attention", "fp8", "varlen", "_cache_attention", "kvcache")),

@@ -83,6 +83,13 @@ def test_attention_kernels_use_wgmma_tma_and_setmaxnreg(kernels, pattern, mma):
       assert counts["UTMASTG"] > 0, (name, counts)  # O leaves through a TMA store
 
 
+def test_fp8_backward_kernels_use_both_wgmma_types_tma_and_setmaxnreg(kernels):
+  # S^T, dV and dK in e4m3 (QGMMA), dP^T and dQ in 16 bits (HGMMA): cuda/flash_bwd/fp8_traits.cuh.
+  for name, counts in _matching(kernels, r"flash_bwd_kernel<flash_bwd::BwdTraitsFp8<"):
+    assert counts["QGMMA"] > 0 and counts["HGMMA"] > 0, (name, counts)
+    assert counts["UTMALDG"] > 0 and counts["USETMAXREG"] == 2, (name, counts)
+
+
 def test_wgmma_is_not_serialized(kernels):
   # Waited-for-at-once wgmmas are the last of a batch the code waits on right away (at most 3
   # per kernel today, of 8-44: the fp8 kernels' tail-split row-max loop waits on its S GEMM too);

@@ -33,8 +33,8 @@ declare -A CHUNKS=(
   [masked]="tests/test_gpu_masked.py"
   # What users compose the kernels with (transformations, sharding, ring), the Flax layers.
   [compose]="tests/test_gpu_compose.py tests/test_gpu_flax.py"
-  # The fp8 kernel and its input pass.
-  [fp8]="tests/test_gpu_fp8.py tests/test_gpu_rotate_quantize.py"
+  # The fp8 kernels (forward, backward) and the forward's input pass.
+  [fp8]="tests/test_gpu_fp8.py tests/test_gpu_rotate_quantize.py tests/test_gpu_fp8_backward.py"
   # The public fp8 API on the kernel (about 7 minutes on the H200 alone).
   [fp8_api]="tests/test_fp8.py"
   # Not in the default run: the CPU suite's files that take the kernel path on a GPU, the SASS

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "ffi/attention_dims.h"
+#include "ffi/bwd_workspace.h"
 #include "ffi/ffi_common.h"
 #include "ffi/handlers.h"
 #include "ffi/registry.h"
@@ -126,20 +127,10 @@ ffi::Error flash_bwd_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q,
   }
 
   if (a.b > 0 && a.h > 0 && a.s_q > 0 && a.s_k > 0) {
-    const auto ws = flash_bwd::workspace_layout(a.b, a.h, a.s_q, a.d, deterministic);
-    // The workspace arrives as an extra (discarded) result that XLA allocates with the call's
-    // other temporaries: XLA's FFI ScratchAllocator returned nothing on the H200 (JAX 0.11.2,
-    // 2026-11-30).
-    if (workspace->size_bytes() < ws.total) {
-      return invalid(op, ": workspace must have at least ", ws.total, " bytes (see ",
-                     "jax_fa3_flash_bwd_workspace_bytes), got ", workspace->size_bytes());
-    }
-    char* base = static_cast<char*>(workspace->untyped_data());
-    char* row_stats = ws.row_stats_in_dq ? static_cast<char*>(dq->untyped_data()) : base;
-    p.dq_accum = reinterpret_cast<float*>(base + ws.dq_accum);
-    p.lse_log2 = reinterpret_cast<float*>(row_stats + ws.lse_log2);
-    p.dpsum = reinterpret_cast<float*>(row_stats + ws.dpsum);
-    p.semaphores = deterministic ? reinterpret_cast<int*>(base + ws.semaphores) : nullptr;
+    JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::carve_bwd_workspace(
+        op, "jax_fa3_flash_bwd_workspace_bytes",
+        flash_bwd::workspace_layout(a.b, a.h, a.s_q, a.d, deterministic), *workspace,
+        dq->untyped_data(), p));
   }
 
   if (!kernel_compiled(bucket, dtype)) {

@@ -14,6 +14,7 @@ extern "C" const jax_fa3::FfiTarget* jax_fa3_ffi_targets(int* count) {
       {"jax_fa3_flash_fwd_paged", reinterpret_cast<void*>(JaxFa3FlashFwdPaged)},
       {"jax_fa3_flash_bwd_key_ranges", reinterpret_cast<void*>(JaxFa3FlashBwdKeyRanges)},
       {"jax_fa3_flash_fwd_fp8", reinterpret_cast<void*>(JaxFa3FlashFwdFp8)},
+      {"jax_fa3_flash_bwd_fp8", reinterpret_cast<void*>(JaxFa3FlashBwdFp8)},
       {"jax_fa3_rotate_quantize_fp8", reinterpret_cast<void*>(JaxFa3RotateQuantizeFp8)},
   };
   *count = static_cast<int>(sizeof(targets) / sizeof(targets[0]));

@@ -19,6 +19,10 @@ extern "C" JAX_FA3_EXPORT const char* jax_fa3_build_config();
 extern "C" JAX_FA3_EXPORT size_t jax_fa3_flash_bwd_workspace_bytes(int64_t b, int64_t h,
                                                                    int64_t s_q, int64_t d,
                                                                    bool deterministic);
+// Bytes of the uint8 workspace result that jax_fa3_flash_bwd_fp8 needs for this problem.
+extern "C" JAX_FA3_EXPORT size_t jax_fa3_flash_bwd_fp8_workspace_bytes(int64_t b, int64_t h,
+                                                                       int64_t s_q, int64_t d,
+                                                                       bool deterministic);
 // Bytes of the uint8 workspace result that jax_fa3_flash_fwd_fp8 needs (masked: a window or
 // causal mask is set); jax_fa3/_fp8_forward.py asks for it through the extension.
 extern "C" JAX_FA3_EXPORT size_t jax_fa3_flash_fwd_fp8_workspace_bytes(

@@ -4,6 +4,9 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include <type_traits>
+
+#include "common/accumulator_fragment.cuh"
 #include "flash_bwd/kernel_params.cuh"
 
 namespace jax_fa3::flash_bwd {
@@ -60,26 +63,38 @@ __device__ __forceinline__ void store_dq_partial(KernelParams<Traits> const& p,
   }
 }
 
-// dK = softmax_scale * sum dS^T Q and dV = sum P^T dO of this warpgroup's (64 keys, kDKV columns)
-// slice: key rows from row0, d columns from col0; masked 4-byte pair stores.
-template <typename Traits, typename Frag, typename Coord>
+// dK = sum dS^T Q and dV = sum P^T dO of this warpgroup's (64 keys, kDKV columns) slice: key
+// rows from row0, d columns from col0; masked pair stores. dK's accumulator row frag_row(i)
+// (a thread holds two key rows) is multiplied by dk_scale(frag_row(i)): softmax_scale in the
+// 16-bit kernel, the key's M / 2^6 * softmax_scale in the fp8 one (fp8_dk_operand.cuh), whose
+// dV is multiplied by dv_scale and which writes float32.
+template <typename Traits, typename Frag, typename Coord, typename DkScale>
 __device__ __forceinline__ void store_dk_dv(KernelParams<Traits> const& p, Frag const& tdKrdK,
                                             Frag const& tdVrdV, Coord const& tdKVcdKV, int row0,
-                                            int col0, int hk, int bidb) {
+                                            int col0, int hk, int bidb, DkScale&& dk_scale,
+                                            float dv_scale = 1.f) {
   using namespace cute;
   using Element = typename Traits::Element;
+  using Out = typename Traits::ElementGrad;
+  using Pair = std::conditional_t<Traits::kFp8, float2, uint32_t>;
   const int64_t kv_row_stride = int64_t(p.h_k) * p.d;
   const int64_t kv_base = int64_t(bidb) * p.s_k * kv_row_stride + int64_t(hk) * p.d;
-  uint32_t* dk = reinterpret_cast<uint32_t*>(static_cast<Element*>(p.dk) + kv_base);
-  uint32_t* dv = reinterpret_cast<uint32_t*>(static_cast<Element*>(p.dv) + kv_base);
+  Pair* dk = reinterpret_cast<Pair*>(static_cast<Out*>(p.dk) + kv_base);
+  Pair* dv = reinterpret_cast<Pair*>(static_cast<Out*>(p.dv) + kv_base);
   CUTE_UNROLL
   for (int i = 0; i < size(tdKrdK); i += 2) {
     const int j = row0 + get<0>(tdKVcdKV(i));
     const int c = col0 + get<1>(tdKVcdKV(i));
     if (j < p.s_k && c < p.d) {
       const int64_t idx = (int64_t(j) * kv_row_stride + c) / 2;
-      dk[idx] = pack2<Element>(tdKrdK(i) * p.softmax_scale, tdKrdK(i + 1) * p.softmax_scale);
-      dv[idx] = pack2<Element>(tdVrdV(i), tdVrdV(i + 1));
+      const float sk = dk_scale(frag_row(i));
+      if constexpr (Traits::kFp8) {
+        dk[idx] = make_float2(tdKrdK(i) * sk, tdKrdK(i + 1) * sk);
+        dv[idx] = make_float2(tdVrdV(i) * dv_scale, tdVrdV(i + 1) * dv_scale);
+      } else {
+        dk[idx] = pack2<Element>(tdKrdK(i) * sk, tdKrdK(i + 1) * sk);
+        dv[idx] = pack2<Element>(tdVrdV(i), tdVrdV(i + 1));
+      }
     }
   }
 }

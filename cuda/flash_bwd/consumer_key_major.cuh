@@ -8,11 +8,18 @@
 //   named barrier (dQ needs both warpgroups' keys);
 //   dQ = dS K (SS, the dS tile is an MN-major A), dK += dS^T Q (RS); dQ is stored while dK runs.
 // P never touches shared memory, and dV / dK read only their B operand from it.
+// fp8 (Traits::kFp8, fp8_traits.cuh): S^T = k8 q8^T (e4m3) descaled per (key, row) into the exp2
+// argument, which gives P' = 2^8 r P directly (r is folded into the LSE row); dV += P'^T dO8 and
+// dK += y^T q8 take e4m3 A operands packed from the accumulators (common/fp8_a_operand.cuh), y
+// against the lazy per-key maxima of fp8_dk_operand.cuh; dS' goes to the dS tile for dQ as here.
 #pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "common/accumulator_fragment.cuh"
+#include "common/fp8_a_operand.cuh"
 #include "flash_bwd/consumer_common.cuh"
+#include "flash_bwd/fp8_dk_operand.cuh"
 
 namespace jax_fa3::flash_bwd {
 
@@ -20,7 +27,7 @@ namespace jax_fa3::flash_bwd {
 // loop accumulates dP^T onto -D (below), and a run-time choice of the dP^T wgmma's initial state
 // made ptxas serialize every wgmma of the kernel (C7512).
 template <typename Traits, bool kSoftcap, bool kKeyRanges>
-__device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> const& p,
+__device__ __forceinline__ void run_consumer_key_major(KernelParamsOf<Traits> const& p,
                                                        typename Traits::SharedStorage& ss,
                                                        int n_block, int hk, int bidb, int group,
                                                        const BlockGeometry& geom,
@@ -35,15 +42,18 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> cons
   constexpr int kStages = Traits::kStages;
   constexpr uint32_t kMma = Traits::kNumMmaThreads;
   static_assert(Traits::kKeyMajor && Traits::kDKV == kHeadDim);
+  constexpr bool kFp8 = Traits::kFp8;
   using Barrier = cutlass::arch::ClusterBarrier;
   const int n_iters = (m_end - m_begin) * group;
   const int wg = threadIdx.x / 128 - 1;     // 0 or 1
   const int tid = threadIdx.x % 128;        // thread within the warpgroup
   const int ctid = threadIdx.x - 128;       // thread within the consumers
 
-  typename Traits::MmaSdP mma_sdp;
+  typename Traits::MmaS mma_s;      // S^T (16-bit: the same GEMM as dP^T)
+  typename Traits::MmaSdP mma_sdp;  // dP^T
   typename Traits::MmadKV mma_dkv;
   typename Traits::MmadQ mma_dq;
+  auto thr_s = mma_s.get_thread_slice(tid);
   auto thr_sdp = mma_sdp.get_thread_slice(tid);
   auto thr_dkv = mma_dkv.get_thread_slice(tid);
   auto thr_dq = mma_dq.get_thread_slice(tid);
@@ -53,9 +63,18 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> cons
   Tensor sKt = make_tensor(make_smem_ptr(ss.k), typename Traits::SmemLayoutKt{});
   Tensor sdS = make_tensor(make_smem_ptr(ss.ds), typename Traits::SmemLayoutPdS{});
 
+  // The keys of S^T: K, or k8 (fp8; sK then holds K~, read by dQ only).
+  Tensor sKs = [&] {
+    if constexpr (kFp8) {
+      return make_tensor(make_smem_ptr(ss.k8), typename Traits::SmemLayoutK8{});
+    } else {
+      return sK;
+    }
+  }();
+
   // This warpgroup's operand slices (all cuts fall on swizzle-atom boundaries, see traits).
-  Tensor tSrK = thr_sdp.partition_fragment_A(
-      local_tile(sK, Shape<_64, Int<kHeadDim>>{}, make_coord(wg, _0{})));
+  Tensor tSrK = thr_s.partition_fragment_A(
+      local_tile(sKs, Shape<_64, Int<kHeadDim>>{}, make_coord(wg, _0{})));
   Tensor tSrV = thr_sdp.partition_fragment_A(
       local_tile(sV, Shape<_64, Int<kHeadDim>>{}, make_coord(wg, _0{})));
   // dQ: rows [dq_row0, +kDqRows) x d columns [dq_col0, +kDQ), all kBlockN keys.
@@ -67,16 +86,19 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> cons
   Tensor tdSoff = Traits::pds_store_offsets(thr_sdp, wg);
   const uint32_t ds_smem = cute::cast_smem_ptr_to_uint(ss.ds);
 
-  Tensor tSrS = partition_fragment_C(mma_sdp, Shape<_64, Int<kBlockM>>{});   // S^T, then P^T
+  Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<kBlockM>>{});     // S^T, then P^T
   Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<_64, Int<kBlockM>>{});  // dP^T, then dS^T
   Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<_64, Int<kHeadDim>>{});
   Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<_64, Int<kHeadDim>>{});
   Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kDqRows>, Int<kDQ>>{});
   // P^T and dS^T as A operands of dV / dK. For 16-bit types the S^T accumulator order is the
   // A-fragment order (the same fact the forward's P V uses), so conversion is element-wise.
-  Tensor tdVrP = make_tensor<Element>(partition_shape_A(mma_dkv, Shape<_64, Int<kBlockM>>{}));
-  Tensor tdKrdS = make_tensor<Element>(partition_shape_A(mma_dkv, Shape<_64, Int<kBlockM>>{}));
+  // fp8: P'^T and y^T in e4m3, packed in place order (common/fp8_a_operand.cuh).
+  using ElementA = typename Traits::MmadKV::ValTypeA;
+  Tensor tdVrP = make_tensor<ElementA>(partition_shape_A(mma_dkv, Shape<_64, Int<kBlockM>>{}));
+  Tensor tdKrdS = make_tensor<ElementA>(partition_shape_A(mma_dkv, Shape<_64, Int<kBlockM>>{}));
   static_assert(decltype(size(tdVrP))::value == decltype(size(tSrS))::value);
+  constexpr int kFp8Steps = decltype(size(tSrS))::value / 16;  // k32 steps of the A operands
   clear(tdVrdV);
   clear(tdKrdK);
 
@@ -89,6 +111,19 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> cons
   const int wr = geom.window_right;
   const int key_base = n_block * kBlockN + wg * 64;
 
+  // fp8: each of the thread's two keys' factor of the exp2 argument, softmax_scale * log2(e) *
+  // its k8 scale (0 past s_k: masked anyway), and the dK operand's running maxima.
+  [[maybe_unused]] float key_coef[2];
+  [[maybe_unused]] Fp8DkOperandScale dk_operand;
+  if constexpr (kFp8) {
+    const float* k_scale = p.k_scale + (int64_t(bidb) * p.h_k + hk) * p.s_k;
+    CUTE_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int key = key_base + get<0>(tScS(2 * r));  // element 2r is on key row r
+      key_coef[r] = key < p.s_k ? p.score_log2 * __ldg(k_scale + key) : 0.f;
+    }
+  }
+
   if (n_iters > 0) Barrier::wait(&ss.bar_kv, 0);
 
   int it = 0;
@@ -98,14 +133,30 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> cons
       const int stage = it % kStages;
       Barrier::wait(&ss.bar_full[stage], (it / kStages) & 1);
 
-      Tensor sQ = make_tensor(make_smem_ptr(ss.q + stage * Traits::kSizeQ),
-                              typename Traits::SmemLayoutQ{});
+      Tensor sQ = make_tensor(make_smem_ptr(ss.q + stage * Traits::kSizeQs),
+                              typename Traits::SmemLayoutQs{});
       Tensor sdO = make_tensor(make_smem_ptr(ss.dout + stage * Traits::kSizeQ),
                                typename Traits::SmemLayoutQ{});
-      Tensor sQt = make_tensor(make_smem_ptr(ss.q + stage * Traits::kSizeQ),
-                               typename Traits::SmemLayoutQt{});
-      Tensor sdOt = make_tensor(make_smem_ptr(ss.dout + stage * Traits::kSizeQ),
-                                typename Traits::SmemLayoutQt{});
+      // The B operands of dK and dV: transposed views of Q and dO, or (fp8) the separately
+      // loaded q8^T and dO8^T.
+      Tensor sQt = [&] {
+        if constexpr (kFp8) {
+          return make_tensor(make_smem_ptr(ss.qt + stage * Traits::kSizeT8),
+                             typename Traits::SmemLayoutT8{});
+        } else {
+          return make_tensor(make_smem_ptr(ss.q + stage * Traits::kSizeQ),
+                             typename Traits::SmemLayoutQt{});
+        }
+      }();
+      Tensor sdOt = [&] {
+        if constexpr (kFp8) {
+          return make_tensor(make_smem_ptr(ss.doutt + stage * Traits::kSizeT8),
+                             typename Traits::SmemLayoutT8{});
+        } else {
+          return make_tensor(make_smem_ptr(ss.dout + stage * Traits::kSizeQ),
+                             typename Traits::SmemLayoutQt{});
+        }
+      }();
 
       // LSE and D belong to the query row, the accumulator's column here: each thread reads
       // them from shared memory per column pair (a warp touches 4 distinct addresses: broadcast).
@@ -119,7 +170,7 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> cons
         for (int i = 0; i < size(tSrdP); ++i) tSrdP(i) = -dpsum_s[get<1>(tScS(i))];
         warpgroup_fence_operand(tSrdP);  // every copy made here, not sunk past the S^T wgmma
       }
-      wg_gemm<true>(mma_sdp, tSrK, thr_sdp.partition_fragment_B(sQ), tSrS);
+      wg_gemm<true>(mma_s, tSrK, thr_s.partition_fragment_B(sQ), tSrS);
       wg_gemm<!kSoftcap>(mma_sdp, tSrV, thr_sdp.partition_fragment_B(sdO), tSrdP);
       const int row_base = m * kBlockM;
       bool need_mask;
@@ -130,8 +181,11 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> cons
                                      wl, wr);
       }
       // Key ranges: the query rows' (lo, hi), per column pair like LSE and D.
-      [[maybe_unused]] const uint32_t ranges_s =
-          cute::cast_smem_ptr_to_uint(ss.key_ranges[stage]);
+      [[maybe_unused]] uint32_t ranges_s = 0;
+      if constexpr (kKeyRanges) ranges_s = cute::cast_smem_ptr_to_uint(ss.key_ranges[stage]);
+      // fp8: the rows' q8 scales, per column pair like LSE.
+      [[maybe_unused]] const float* q_scale_s = nullptr;
+      if constexpr (kFp8) q_scale_s = ss.q_scale[stage];
       auto p_and_ds = [&](auto mask) {
         constexpr bool kMask = decltype(mask)::value;
         auto visible = [&](int i) {
@@ -147,7 +201,16 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> cons
           return bool((gi < p.s_q) & (gj < p.s_k) & ((wl < 0) | (gj >= gi + off - wl)) &
                       ((wr < 0) | (gj <= gi + off + wr)));
         };
-        if constexpr (!kSoftcap) {
+        if constexpr (kFp8) {
+          // P'^T = exp2(S^T * (q scale * key coefficient) - LSE'), the emulation's order.
+          CUTE_UNROLL
+          for (int i = 0; i < size(tSrS); ++i) {
+            const int row = get<1>(tScS(i));
+            const float pv =
+                exp2f(tSrS(i) * (q_scale_s[row] * key_coef[frag_row(i)]) - lse_s[row]);
+            tSrS(i) = (!kMask || visible(i)) ? pv : 0.f;
+          }
+        } else if constexpr (!kSoftcap) {
           // P^T while dP^T still runs; 0 where masked: a select, so no inf/NaN reaches the GEMMs.
           CUTE_UNROLL
           for (int i = 0; i < size(tSrS); ++i) {
@@ -182,24 +245,43 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> cons
       }
 
       // dV += P^T dO straight from registers; it runs while dS^T is converted and shared.
-      CUTE_UNROLL
-      for (int i = 0; i < size(tSrS); ++i) tdVrP(i) = static_cast<Element>(tSrS(i));
+      if constexpr (kFp8) {
+        fp8::pack_e4m3_a_operand<0, kFp8Steps>([&](int i) { return tSrS(i); }, tdVrP);
+      } else {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) tdVrP(i) = static_cast<Element>(tSrS(i));
+      }
       wg_gemm<false>(mma_dkv, tdVrP, thr_dkv.partition_fragment_B(sdOt), tdVrdV);
-      CUTE_UNROLL
-      for (int i = 0; i < size(tSrdP); ++i) tdKrdS(i) = static_cast<Element>(tSrdP(i));
+      if constexpr (!kFp8) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrdP); ++i) tdKrdS(i) = static_cast<Element>(tSrdP(i));
+      }
 
       // Both warpgroups' dQ wgmmas of the previous block have finished reading the dS tile.
       if (it > 0) named_barrier_sync(NamedBarrier::kPdSFree, kMma);
       CUTE_UNROLL
-      for (int i = 0; i < size(tdKrdS); i += 2) {
+      for (int i = 0; i < size(tSrdP); i += 2) {
         const uint32_t off_b =
             static_cast<uint32_t>(reinterpret_cast<uintptr_t>(raw_pointer_cast(&tdSoff(i))));
-        st_shared_b32(ds_smem + off_b, pack2<Element>(tdKrdS(i), tdKrdS(i + 1)));
+        if constexpr (kFp8) {  // dS' rounded to 16 bits here only (dK takes it through y)
+          st_shared_b32(ds_smem + off_b, pack2<Element>(tSrdP(i), tSrdP(i + 1)));
+        } else {
+          st_shared_b32(ds_smem + off_b, pack2<Element>(tdKrdS(i), tdKrdS(i + 1)));
+        }
       }
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma (async proxy)
       named_barrier_sync(NamedBarrier::kPdSReady, kMma);
 
       wg_gemm<true>(mma_dq, tdQrdS, tdQrKt, tdQrdQ);
+      if constexpr (kFp8) {
+        // While dQ runs: the block's dK operand maxima (dK is idle: the previous block's dK
+        // wgmma completed before its bar_empty arrival), then y^T in e4m3.
+        const float* dk_coef_s = ss.dk_coef[stage];
+        auto w = [&](int i) { return dk_coef_s[get<1>(tScS(i))]; };
+        dk_operand.update(tSrdP, w, tdKrdK);
+        fp8::pack_e4m3_a_operand<0, kFp8Steps>(
+            [&](int i) { return dk_operand.operand(tSrdP(i), w(i), i); }, tdKrdS);
+      }
       wg_gemm<false>(mma_dkv, tdKrdS, thr_dkv.partition_fragment_B(sQt), tdKrdK);
       warpgroup_wait<1>();  // dV and dQ are done (groups complete in order); dK may still run
       warpgroup_fence_operand(tdQrdQ);
@@ -214,7 +296,15 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParams<Traits> cons
     }
   }
 
-  store_dk_dv<Traits>(p, tdKrdK, tdVrdV, tdKVcdKV, n_block * kBlockN + wg * 64, 0, hk, bidb);
+  if constexpr (kFp8) {
+    store_dk_dv<Traits>(
+        p, tdKrdK, tdVrdV, tdKVcdKV, n_block * kBlockN + wg * 64, 0, hk, bidb,
+        [&](int r) { return dk_operand.dk_scale(r, p.softmax_scale); },
+        __ldg(p.dv_scale + int64_t(bidb) * p.h_k + hk));
+  } else {
+    store_dk_dv<Traits>(p, tdKrdK, tdVrdV, tdKVcdKV, n_block * kBlockN + wg * 64, 0, hk, bidb,
+                        [&](int) { return p.softmax_scale; });
+  }
 }
 
 }  // namespace jax_fa3::flash_bwd

@@ -230,7 +230,7 @@ __device__ __forceinline__ void run_consumer_row_major(KernelParams<Traits> cons
   }
 
   store_dk_dv<Traits>(p, tdKrdK, tdVrdV, tdKVcdKV, n_block * kBlockN + wn * 64, wd * kDKV, hk,
-                      bidb);
+                      bidb, [&](int) { return p.softmax_scale; });
 }
 
 }  // namespace jax_fa3::flash_bwd

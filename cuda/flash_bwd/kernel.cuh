@@ -15,6 +15,7 @@
 
 #include "flash_bwd/consumer_key_major.cuh"
 #include "flash_bwd/consumer_row_major.cuh"
+#include "flash_bwd/fp8_traits.cuh"
 #include "flash_bwd/kernel_params.cuh"
 
 namespace jax_fa3::flash_bwd {
@@ -77,6 +78,33 @@ __device__ __forceinline__ void dq_writer(KernelParams<Traits> const& p, const f
   if (leader) bulk_wait();
 }
 
+// The fp8 kernel's further loads of Q block m of query head qh into `stage`, on bar_full[stage]
+// (counted in Traits::kBytesStage): q8^T and dO8^T (TMA; zero-filled past s_q and d), the rows'
+// q scale and dK coefficient (1-D bulk copies from row0, the block's first padded row).
+template <typename Traits>
+__device__ __forceinline__ void load_fp8_stage(Fp8KernelParams<Traits> const& p,
+                                               typename Traits::SharedStorage& ss, int stage,
+                                               int qh, int bidb, int m, int64_t row0) {
+  using namespace cute;
+  auto tile = Shape<Int<Traits::kHeadDim>, Int<Traits::kBlockM>>{};
+  Tensor mQt = p.tma_qt.get_tma_tensor(p.shape_t);
+  Tensor mdOt = p.tma_dot.get_tma_tensor(p.shape_t);
+  Tensor gQt = local_tile(mQt(_, _, qh, bidb), tile, make_coord(_0{}, m));
+  Tensor gdOt = local_tile(mdOt(_, _, qh, bidb), tile, make_coord(_0{}, m));
+  Tensor sQt = make_tensor(make_smem_ptr(ss.qt + stage * Traits::kSizeT8),
+                           typename Traits::SmemLayoutT8{});
+  Tensor sdOt = make_tensor(make_smem_ptr(ss.doutt + stage * Traits::kSizeT8),
+                            typename Traits::SmemLayoutT8{});
+  auto [tQtgQt, tQtsQt] = tma_partition(p.tma_qt, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQt),
+                                        group_modes<0, 2>(gQt));
+  auto [tdOtgdOt, tdOtsdOt] = tma_partition(p.tma_dot, Int<0>{}, Layout<_1>{},
+                                            group_modes<0, 2>(sdOt), group_modes<0, 2>(gdOt));
+  copy(p.tma_qt.with(ss.bar_full[stage]), tQtgQt, tQtsQt);
+  copy(p.tma_dot.with(ss.bar_full[stage]), tdOtgdOt, tdOtsdOt);
+  bulk_copy_g2s(ss.q_scale[stage], p.q_scale + row0, Traits::kBytesRow, &ss.bar_full[stage]);
+  bulk_copy_g2s(ss.dk_coef[stage], p.dk_coef + row0, Traits::kBytesRow, &ss.bar_full[stage]);
+}
+
 // kSoftcap: the key-major mainloop is compiled once with softcap and once without (one kernel
 // each: both loops in one kernel spilled and serialized wgmmas); the row-major one tests
 // p.has_softcap itself and is instantiated with kSoftcap = false only.
@@ -84,15 +112,19 @@ __device__ __forceinline__ void dq_writer(KernelParams<Traits> const& p, const f
 // come from the covers, the masks from the ranges, which the producer copies per Q block next to
 // LSE and D. A separate instantiation, so that the whole-row kernel keeps its geometry in the
 // constant bank (a per-row geometry in registers changed ptxas's schedule of the main loop).
+// Traits: BwdTraits, or BwdTraitsFp8 (fp8_traits.cuh: whole rows, no softcap), whose producer
+// loads k8 with K~ and V, and q8^T, dO8^T and two more row vectors with each Q block.
 template <typename Traits, bool kSoftcap, bool kKeyRanges>
 __global__ void __launch_bounds__(Traits::kNumThreads, 1)
-    flash_bwd_kernel(CUTE_GRID_CONSTANT KernelParams<Traits> const p) {
+    flash_bwd_kernel(CUTE_GRID_CONSTANT KernelParamsOf<Traits> const p) {
   using namespace cute;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kStages = Traits::kStages;
   constexpr uint32_t kMma = Traits::kNumMmaThreads;
+  constexpr bool kFp8 = Traits::kFp8;
+  static_assert(!kFp8 || (!kSoftcap && !kKeyRanges), "the fp8 kernel takes whole rows, no softcap");
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
 
@@ -143,6 +175,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     cute::prefetch_tma_descriptor(p.tma_do.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    if constexpr (kFp8) {
+      cute::prefetch_tma_descriptor(p.tma_k8.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.tma_qt.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(p.tma_dot.get_tma_descriptor());
+    }
 
     {
       Tensor mK = p.tma_k.get_tma_tensor(p.shape_k);
@@ -156,9 +193,17 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
                                         group_modes<0, 2>(gK));
       auto [tVgV, tVsV] = tma_partition(p.tma_v, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sV),
                                         group_modes<0, 2>(gV));
-      TxBarrier::arrive_and_expect_tx(&ss.bar_kv, 2 * Traits::kBytesKV);
+      TxBarrier::arrive_and_expect_tx(&ss.bar_kv, Traits::kBytesKVLoad);
       copy(p.tma_k.with(ss.bar_kv), tKgK, tKsK);
       copy(p.tma_v.with(ss.bar_kv), tVgV, tVsV);
+      if constexpr (kFp8) {
+        Tensor mK8 = p.tma_k8.get_tma_tensor(p.shape_k);
+        Tensor gK8 = local_tile(mK8(_, _, hk, bidb), tile, make_coord(n_block, _0{}));
+        Tensor sK8 = make_tensor(make_smem_ptr(ss.k8), typename Traits::SmemLayoutK8{});
+        auto [tK8gK8, tK8sK8] = tma_partition(p.tma_k8, Int<0>{}, Layout<_1>{},
+                                              group_modes<0, 2>(sK8), group_modes<0, 2>(gK8));
+        copy(p.tma_k8.with(ss.bar_kv), tK8gK8, tK8sK8);
+      }
     }
 
     Tensor mQ = p.tma_q.get_tma_tensor(p.shape_q);
@@ -178,8 +223,8 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         const int stage = it % kStages;
         const int use = it / kStages;
         if (use > 0) Barrier::wait(&ss.bar_empty[stage], (use - 1) & 1);
-        Tensor sQ = make_tensor(make_smem_ptr(ss.q + stage * Traits::kSizeQ),
-                                typename Traits::SmemLayoutQ{});
+        Tensor sQ = make_tensor(make_smem_ptr(ss.q + stage * Traits::kSizeQs),
+                                typename Traits::SmemLayoutQs{});
         Tensor sdO = make_tensor(make_smem_ptr(ss.dout + stage * Traits::kSizeQ),
                                  typename Traits::SmemLayoutQ{});
         auto [tQgQ, tQsQ] = tma_partition(p.tma_q, Int<0>{}, Layout<_1>{}, group_modes<0, 2>(sQ),
@@ -187,10 +232,13 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
         auto [tdOgdO, tdOsdO] = tma_partition(p.tma_do, Int<0>{}, Layout<_1>{},
                                               group_modes<0, 2>(sdO), group_modes<0, 2>(gdO));
         TxBarrier::arrive_and_expect_tx(
-            &ss.bar_full[stage], 2 * Traits::kBytesQ + 2 * Traits::kBytesRow +
-                                     (kKeyRanges ? Traits::kBytesKeyRanges : 0));
+            &ss.bar_full[stage],
+            Traits::kBytesStage + (kKeyRanges ? Traits::kBytesKeyRanges : 0));
         copy(p.tma_q.with(ss.bar_full[stage]), tQgQ(_, m), tQsQ);
         copy(p.tma_do.with(ss.bar_full[stage]), tdOgdO(_, m), tdOsdO);
+        if constexpr (kFp8) {
+          load_fp8_stage<Traits>(p, ss, stage, qh, bidb, m, row_base + m * kBlockM);
+        }
         bulk_copy_g2s(ss.lse_log2[stage], p.lse_log2 + row_base + m * kBlockM, Traits::kBytesRow,
                       &ss.bar_full[stage]);
         bulk_copy_g2s(ss.dpsum[stage], p.dpsum + row_base + m * kBlockM, Traits::kBytesRow,

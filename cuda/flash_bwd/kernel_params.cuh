@@ -14,9 +14,9 @@ namespace jax_fa3::flash_bwd {
 
 template <typename Traits>
 struct KernelParams {
-  typename Traits::TmaQ tma_q;
+  typename Traits::TmaQs tma_q;  // the Q of S^T: Q, or q8 (fp8)
   typename Traits::TmaQ tma_do;
-  typename Traits::TmaKV tma_k;
+  typename Traits::TmaKV tma_k;  // K, or K~ (fp8: the B of dQ only)
   typename Traits::TmaKV tma_v;
   ShapeSDHB shape_q;   // (s_q, d, h, b)
   ShapeSDHB shape_k;   // (s_k, d, h_k, b)
@@ -39,6 +39,24 @@ struct KernelParams {
   int num_granules;       // s_pad / 64
   TileOrder order;        // which (K block, kv head, batch) each CTA takes (tile_order.h)
 };
+
+// The fp8 kernel's (fp8_traits.cuh) further operands. Its lse_log2 and dpsum are the caller's
+// LSE' * log2(e) (2^8 r folded in) and D (- dlse), padded like the 16-bit kernel's.
+template <typename Traits>
+struct Fp8KernelParams : KernelParams<Traits> {
+  typename Traits::TmaK8 tma_k8;
+  typename Traits::TmaT8 tma_qt;   // q8^T (b, h, d, s_t)
+  typename Traits::TmaT8 tma_dot;  // dO8^T
+  ShapeSDHB shape_t;               // (d, s_t, h, b), s_t = s_q rounded up to 32
+  const float* q_scale;   // (b, h, s_q_pad): each row's q8 scale (0 in the padding)
+  const float* dk_coef;   // (b, h, s_q_pad): w of the dK operand (0 in the padding)
+  const float* k_scale;   // (b, h_k, s_k): each key's k8 scale
+  const float* dv_scale;  // (b, h_k): s_max / 2^8
+};
+
+template <typename Traits>
+using KernelParamsOf =
+    std::conditional_t<Traits::kFp8, Fp8KernelParams<Traits>, KernelParams<Traits>>;
 
 // Issue one warpgroup GEMM (all k-blocks) and commit it as one wgmma group; the caller waits.
 // An A operand in registers (RS) is fenced too: the wgmma reads it asynchronously.

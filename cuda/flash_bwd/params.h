@@ -57,38 +57,102 @@ struct WorkspaceLayout {
   // main kernel's last read of them, and a training step's peak memory holds 2 b h s_q_pad
   // floats less (2 MiB at d = 128, 16k tokens, 16 heads).
   bool row_stats_in_dq;
+  bool has_row_stats;  // false: the kernel takes LSE*log2(e) and D as inputs (fp8)
 };
 
-// dQ is accumulated per Q block in chunks of block_m rows x the head-dim bucket (padded rows and
-// columns included: the main kernel adds whole chunks; see BwdTraits::kDqWgFloats).
-inline WorkspaceLayout workspace_layout(int64_t b, int64_t h, int64_t s_q, int64_t d,
-                                        bool deterministic) {
-  const int bucket = head_dim_bucket(static_cast<int>(d));
-  const int64_t d_pad = bucket > 0 ? bucket : d;
+// dQ is accumulated per Q block in chunks of block_m rows x the head-dim bucket d_pad (padded
+// rows and columns included: the main kernel adds whole chunks; see BwdTraits::kDqWgFloats).
+// row_stats: LSE*log2(e) and D have a place here (the 16-bit kernel's preprocess writes them;
+// the fp8 kernel takes them as inputs).
+inline WorkspaceLayout dq_workspace_layout(int64_t b, int64_t h, int64_t s_q, int64_t d,
+                                           int64_t d_pad, bool deterministic, bool row_stats) {
   const int64_t block_m = block_m_for_bucket(static_cast<int>(d_pad));
   const int64_t s_q_pad = round_up(s_q, block_m);
   WorkspaceLayout w{};
-  const size_t row_stats = round_up(4 * b * h * s_q_pad, 256);
-  // s_q_pad is a multiple of 64, so row_stats is 4 b h s_q_pad exactly: both fit in the dq
+  w.has_row_stats = row_stats;
+  const size_t row_stats_bytes = round_up(4 * b * h * s_q_pad, 256);
+  // s_q_pad is a multiple of 64, so row_stats_bytes is 4 b h s_q_pad exactly: both fit in the dq
   // result's 2 b s_q h d bytes iff 4 s_q_pad <= s_q d.
-  w.row_stats_in_dq = 4 * s_q_pad <= s_q * d;
+  w.row_stats_in_dq = row_stats && 4 * s_q_pad <= s_q * d;
   size_t off = 0;
   w.dq_accum = off;
   off += round_up(4 * b * h * s_q_pad * d_pad, 256);
   if (w.row_stats_in_dq) {
     w.lse_log2 = 0;
-    w.dpsum = row_stats;
-  } else {
+    w.dpsum = row_stats_bytes;
+  } else if (row_stats) {
     w.lse_log2 = off;
-    off += row_stats;
+    off += row_stats_bytes;
     w.dpsum = off;
-    off += row_stats;
+    off += row_stats_bytes;
   }
   w.semaphores = off;
   if (deterministic) off += round_up(4 * b * h * (s_q_pad / block_m), 256);
   w.total = off;
   return w;
 }
+
+// The 16-bit kernel's workspace.
+inline WorkspaceLayout workspace_layout(int64_t b, int64_t h, int64_t s_q, int64_t d,
+                                        bool deterministic) {
+  const int bucket = head_dim_bucket(static_cast<int>(d));
+  return dq_workspace_layout(b, h, s_q, d, bucket > 0 ? bucket : d, deterministic, true);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fp8 (e4m3) backward (fp8_traits.cuh; numerics: jax_fa3/_fp8_backward_emulation.py).
+
+// Head-dim buckets of the fp8 backward (the key-major arrangement only), and the compiled one
+// that runs d, or 0: d a multiple of 16 (the e4m3 rows TMA reads are multiples of 16 bytes).
+// The fp8 kernels follow the head-dim list only (kernels.cmake), for both 16-bit types.
+constexpr int kFp8BwdHeadDimBuckets[] = {64, 128};
+inline int fp8_bwd_head_dim_bucket(int d) {
+  if (d <= 0 || d % 16 != 0) return 0;
+#ifdef JAX_FA3_HAS_HDIM64
+  if (d <= 64) return 64;
+#endif
+#ifdef JAX_FA3_HAS_HDIM128
+  if (d <= 128) return 128;
+#endif
+  return 0;
+}
+
+// The 16-bit call's fields in these roles: q = q8 (b, s_q, h, d) e4m3; k = K~ (b, s_k, h_k, d),
+// k8 dequantized in the 16-bit type `dtype` (dQ's B); v, dout 16-bit; lse_log2 and dpsum are
+// inputs, (b, h, s_q_pad) with s_q_pad = s_q rounded up to block_m_for_bucket: LSE' * log2(e)
+// (LSE - ln(2^8 r), +inf where r = 0 and in the padding) and D (- dlse; 0 in the padding); dq,
+// dk, dv float32. out, lse, softcap and the key ranges are not read. Then its own:
+struct FlashBwdFp8Params : FlashBwdParams {
+  const void* k8;         // (b, s_k, h_k, d) e4m3: S^T's A
+  // q8 and dO8 transposed, (b, h, d, s_t) e4m3 with s_t = s_q rounded up to 32, zero past s_q and
+  // the rows permuted inside each group of 32 (jax_fa3._fp8_quantize.kernel_v_layout): the B
+  // operands of dK and dV.
+  const void* q_t;
+  const void* dout_t;
+  const float* q_scale;   // (b, h, s_q_pad): each row's q8 scale, 0 in the padding
+  const float* dk_coef;   // (b, h, s_q_pad): w = q scale / (2^8 r), 0 in the padding
+  const float* dq_scale;  // (b, h, s_q): softmax_scale / (2^8 r), 0 where r = 0
+  const float* k_scale;   // (b, h_k, s_k): each key's k8 scale
+  const float* dv_scale;  // (b, h_k): s_max / 2^8
+};
+
+// The fp8 kernel's workspace: the dQ accumulator and the deterministic semaphores.
+inline WorkspaceLayout fp8_workspace_layout(int64_t b, int64_t h, int64_t s_q, int64_t d,
+                                            bool deterministic) {
+  const int bucket = fp8_bwd_head_dim_bucket(static_cast<int>(d));
+  return dq_workspace_layout(b, h, s_q, d, bucket > 0 ? bucket : d, deterministic, false);
+}
+
+// One per compiled (bucket, 16-bit dtype); defined in
+// cuda/instantiations/flash_bwd_hdim<D>_e4m3_<dtype>.cu.
+#define JAX_FA3_DECLARE_FLASH_BWD_FP8(D, DT)                                             \
+  cudaError_t run_flash_bwd_fp8_hdim##D##_##DT(const FlashBwdFp8Params& params,          \
+                                               cudaStream_t stream);
+JAX_FA3_DECLARE_FLASH_BWD_FP8(64, bf16)
+JAX_FA3_DECLARE_FLASH_BWD_FP8(64, fp16)
+JAX_FA3_DECLARE_FLASH_BWD_FP8(128, bf16)
+JAX_FA3_DECLARE_FLASH_BWD_FP8(128, fp16)
+#undef JAX_FA3_DECLARE_FLASH_BWD_FP8
 
 // One per compiled (bucket, dtype); defined in cuda/instantiations/flash_bwd_hdim<D>_<dtype>.cu.
 #define JAX_FA3_DECLARE_FLASH_BWD(D, DT) \

@@ -6,7 +6,8 @@
 // and puts them, scaled and converted, at their (row, column) of a shared tile; the tile then
 // leaves in 16-byte row pieces. Written straight from fragment order, a warp's store covered 8 rows
 // x 16 bytes, half of each 32-byte sector, with 4-byte stores: the kernel ran at about a quarter
-// of copy bandwidth.
+// of copy bandwidth. The fp8 kernel's dq is float32 and scaled per row instead: dq = dq_accum *
+// row_scale (b, h, s_q) (the caller's softmax_scale / (2^8 r) of each row).
 #pragma once
 #include <cstdint>
 
@@ -19,10 +20,11 @@ namespace jax_fa3::flash_bwd {
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNumMmaThreads)
     flash_bwd_postprocess_kernel(const float* __restrict__ dq_accum,
-                                 typename Traits::Element* __restrict__ dq, int s_q, int h, int d,
-                                 int num_m_blocks, float scale) {
+                                 typename Traits::ElementGrad* __restrict__ dq, int s_q, int h,
+                                 int d, int num_m_blocks, float scale,
+                                 const float* __restrict__ row_scale = nullptr) {
   using namespace cute;
-  using Element = typename Traits::Element;
+  using ElementGrad = typename Traits::ElementGrad;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kDQ = Traits::kDQ;
   constexpr int kHeadDim = Traits::kHeadDim;
@@ -38,10 +40,11 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads)
       thr_dq.partition_C(make_identity_tensor(Shape<Int<Traits::kDqRows>, Int<kDQ>>{}));
   const int col0 = Traits::dq_col0(wg);
 
-  // Rows padded by 16 bytes: the 8 rows x 4 column pairs of one fragment store fall on 32
-  // different banks.
-  constexpr int kRowElems = kHeadDim + 8;
-  __shared__ alignas(16) Element tile[kBlockM * kRowElems];
+  // 16-byte pieces: 8 16-bit or 4 float elements. Rows padded by one piece: the 8 rows x 4
+  // column pairs of one fragment store spread over the banks (16-bit: 32 different banks).
+  constexpr int kPieceElems = 16 / int(sizeof(ElementGrad));
+  constexpr int kRowElems = kHeadDim + kPieceElems;
+  __shared__ alignas(16) ElementGrad tile[kBlockM * kRowElems];
 
   const float* part =
       dq_accum + q_block_index(batch, h, head, num_m_blocks, m) * int64_t(Traits::kDqChunkFloats) +
@@ -59,19 +62,26 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads)
     for (int j = 0; j < kVec; j += 2) {
       const int row = Traits::dq_row0(wg) + get<0>(coord(i + j));
       const int col = col0 + get<1>(coord(i + j));  // even
-      const Element lo(v[j] * scale), hi(v[j + 1] * scale);
-      *reinterpret_cast<uint32_t*>(&tile[row * kRowElems + col]) =
-          uint32_t(lo.raw()) | (uint32_t(hi.raw()) << 16);
+      ElementGrad* at = &tile[row * kRowElems + col];
+      if constexpr (Traits::kFp8) {
+        const int q_row = m * kBlockM + row;
+        const float rs =
+            q_row < s_q ? __ldg(row_scale + (int64_t(batch) * h + head) * s_q + q_row) : 0.f;
+        *reinterpret_cast<float2*>(at) = make_float2(v[j] * rs, v[j + 1] * rs);
+      } else {
+        const ElementGrad lo(v[j] * scale), hi(v[j + 1] * scale);
+        *reinterpret_cast<uint32_t*>(at) = uint32_t(lo.raw()) | (uint32_t(hi.raw()) << 16);
+      }
     }
   }
   __syncthreads();
 
-  // 16-byte pieces of 8 elements; d is a multiple of 8, so a piece is wholly inside or outside.
-  constexpr int kPiecesPerRow = kHeadDim / 8;
+  // d is a multiple of 8, so a piece is wholly inside or outside it.
+  constexpr int kPiecesPerRow = kHeadDim / kPieceElems;
   CUTE_UNROLL
   for (int piece = threadIdx.x; piece < kBlockM * kPiecesPerRow; piece += Traits::kNumMmaThreads) {
     const int r = piece / kPiecesPerRow;
-    const int col = (piece % kPiecesPerRow) * 8;
+    const int col = (piece % kPiecesPerRow) * kPieceElems;
     const int row = m * kBlockM + r;
     if (row < s_q && col < d) {
       *reinterpret_cast<uint4*>(dq + ((int64_t(batch) * s_q + row) * h + head) * d + col) =

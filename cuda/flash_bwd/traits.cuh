@@ -31,6 +31,8 @@ auto make_tma_load_sdhb(Element const* ptr, ShapeSDHB const& shape, StrideSDHB c
 template <int kHeadDim_, typename Element_>
 struct BwdTraits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
+  using ElementGrad = Element;  // dq, dk, dv (the fp8 variant, fp8_traits.cuh: float32)
+  static constexpr bool kFp8 = false;
   static constexpr int kHeadDim = kHeadDim_;
   // Key-major (d <= 128): each consumer warpgroup owns 64 keys of the K/V block and computes
   // S^T = K Q^T and dP^T = V dO^T with the keys on the wgmma M side. P^T and dS^T then sit in
@@ -121,6 +123,8 @@ struct BwdTraits {
                Element, Element, float,
                cute::Shape<cute::Int<kBlockM>, cute::Int<kNS>, cute::Int<kHeadDim>>,
                cute::GMMA::Major::K, cute::GMMA::Major::K>()))>;
+  //  S (S^T) alone: the same GEMM here, e4m3 in the fp8 variant.
+  using MmaS = MmaSdP;
   //  dV += P^T dO, dK += dS^T Q: A from registers (key-major) or the transposed P / dS tile.
   using MmadKV = std::conditional_t<
       kKeyMajor,
@@ -164,6 +168,11 @@ struct BwdTraits {
   using TmaKV = decltype(make_tma_load_sdhb(
       static_cast<Element const*>(nullptr), ShapeSDHB{}, StrideSDHB{}, SmemLayoutKV{},
       cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>>{}));
+  // The Q tile of the S (S^T) GEMM, its TMA and its elements per stage: Q itself here, e4m3 q8 in
+  // the fp8 variant (dO keeps SmemLayoutQ / TmaQ / kSizeQ in both).
+  using ElementQs = Element;
+  using SmemLayoutQs = SmemLayoutQ;
+  using TmaQs = TmaQ;
 
   // dQ partials leave the CTA in "fragment order": per Q block a chunk of kBlockM * kHeadDim
   // floats, warpgroup wg's kDqRows x kDQ part at wg * kDqWgFloats, inside it the float pair
@@ -201,6 +210,11 @@ struct BwdTraits {
   static constexpr uint32_t kBytesKV = kSizeKV * sizeof(Element);
   static constexpr uint32_t kBytesRow = kBlockM * sizeof(float);  // LSE or D of one Q block
   static constexpr uint32_t kBytesKeyRanges = 2 * kBlockM * sizeof(int);  // (lo, hi) per row
+  static constexpr int kSizeQs = kSizeQ;
+  // Transaction bytes of bar_kv (K, V) and of one stage of bar_full (Q, dO, LSE, D; the key
+  // ranges come on top).
+  static constexpr uint32_t kBytesKVLoad = 2 * kBytesKV;
+  static constexpr uint32_t kBytesStage = 2 * kBytesQ + 2 * kBytesRow;
 
   struct SharedStorage {
     alignas(1024) Element k[kSizeKV];

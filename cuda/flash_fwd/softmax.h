@@ -1,34 +1,26 @@
 // Online softmax on the wgmma accumulator of S, entirely in registers.
 //
-// Fragment layout (m64nNk16 fp32 accumulator, CuTe's CLayout_64xN): thread t of a warpgroup,
-// lane = t % 32, warp = t / 32, holds for every 8-column chunk j of the N columns four values
-//   idx = v0 + 2*v1 + 4*j  ->  row 16*warp + lane/4 + 8*v1,  column 8*j + 2*(lane%4) + v0.
-// So a thread owns two rows (v1 = 0, 1) and the four lanes of a quad (same lane/4) share a row:
-// row reductions are a thread-local loop plus two xor-shuffles (1, 2) across the quad.
-// The same flat order is the wgmma A-operand register order for 16-bit types (k16 chunk =
-// two 8-column chunks), which is why P can be handed to the PV GEMM without any shuffle.
+// Fragment layout: common/accumulator_fragment.cuh (a thread owns two rows of S; the four lanes
+// of a quad share a row). The same flat order is the wgmma A-operand register order for 16-bit
+// types (k16 chunk = two 8-column chunks), which is why P can be handed to the PV GEMM without
+// any shuffle.
 #pragma once
 #include "flash_fwd/cute_config.h"
 #include <climits>
 #include <cmath>
 #include <cute/tensor.hpp>
 
+#include "common/accumulator_fragment.cuh"
 #include "common/key_ranges.h"
 #include "flash_fwd/exp2_fma.h"
 
 namespace jax_fa3::fwd {
 
-struct FragCoord {
-  // Row (0..63 inside the warpgroup's 64 rows) of v1 = 0, and this thread's first column.
-  int row0, col0;
-  __host__ __device__ __forceinline__ static FragCoord of_thread(int thread_in_wg) {
-    const int lane = thread_in_wg % 32;
-    return {16 * (thread_in_wg / 32) + lane / 4, 2 * (lane % 4)};
-  }
-};
-
-__host__ __device__ __forceinline__ int frag_row(int idx) { return (idx >> 1) & 1; }
-__host__ __device__ __forceinline__ int frag_col(int idx) { return 8 * (idx >> 2) + (idx & 1); }
+using jax_fa3::FragCoord;
+using jax_fa3::frag_col;
+using jax_fa3::frag_row;
+using jax_fa3::quad_max;
+using jax_fa3::quad_sum;
 
 template <typename Frag>
 __device__ __forceinline__ void apply_softcap(Frag& s, float pre, float cap) {
@@ -71,15 +63,6 @@ __device__ __forceinline__ void apply_key_ranges(Frag& s, const KeyRange (&keys)
     const int col = frag_col(i);
     if (col >= hi[r] || col < lo[r]) s(i) = -INFINITY;
   }
-}
-
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffff, x, 1);
-  return x + __shfl_xor_sync(0xffffffff, x, 2);
 }
 
 // The running max and sum of one thread's two rows, and the update that folds a block of scores

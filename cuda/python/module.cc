@@ -19,6 +19,9 @@ NB_MODULE(_jax_fa3_cuda, m) {
   m.def("flash_bwd_workspace_bytes", &jax_fa3_flash_bwd_workspace_bytes, nb::arg("batch"),
         nb::arg("heads"), nb::arg("seqlen_q"), nb::arg("head_dim"), nb::arg("deterministic"),
         "Size of the uint8 workspace result of jax_fa3_flash_bwd.");
+  m.def("flash_bwd_fp8_workspace_bytes", &jax_fa3_flash_bwd_fp8_workspace_bytes, nb::arg("batch"),
+        nb::arg("heads"), nb::arg("seqlen_q"), nb::arg("head_dim"), nb::arg("deterministic"),
+        "Size of the uint8 workspace result of jax_fa3_flash_bwd_fp8.");
   m.def("flash_fwd_fp8_workspace_bytes", &jax_fa3_flash_fwd_fp8_workspace_bytes,
         nb::arg("batch"), nb::arg("seqlen_q"), nb::arg("seqlen_k"), nb::arg("heads"),
         nb::arg("kv_heads"), nb::arg("head_dim"), nb::arg("masked"), nb::arg("v_transposed"),

@@ -46,7 +46,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
       signs are drawn from the 'params' rng at init into variables['fp8_rotation']['signs'].
     fp8_backward: with fp8, flash_attention_fp8's `backward`: "bf16" (default; from the fp8
       forward's statistics, no second forward), "recompute" (flash_attention's exact gradient) or
-      "fp8" (three of the backward's GEMMs in e4m3; a pure-JAX emulation until its kernel exists).
+      "fp8" (three of the backward's GEMMs in e4m3; its kernel on Hopper for head_dim <= 128).
 
   decode=True keeps Flax's cache variables ('cache': cached_key, cached_value, cache_index): the
   init call sizes the cache, each later call appends its tokens (one or a chunk) and attends over

@@ -47,7 +47,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       (in nnx.state, not an nnx.Param).
     fp8_backward: with fp8, flash_attention_fp8's `backward`: "bf16" (default; from the fp8
       forward's statistics, no second forward), "recompute" (flash_attention's exact gradient) or
-      "fp8" (three of the backward's GEMMs in e4m3; a pure-JAX emulation until its kernel exists).
+      "fp8" (three of the backward's GEMMs in e4m3; its kernel on Hopper for head_dim <= 128).
 
   decode=True: after Flax's init_cache, each call appends its tokens (one or a chunk) to the
   cache and attends over it (jax_fa3.flash_attention_with_kvcache).

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cute/tensor.hpp>
 
+#include "common/fp8_a_operand.cuh"
 #include "flash_fwd/fp8/layout.h"
 #include "flash_fwd/softmax.h"
 
@@ -116,34 +117,15 @@ struct KeyGroupScaling {
 template <int kGroups, bool kReduceMaxOnJump = false>
 using Fp8OnlineSoftmax = OnlineSoftmax<KeyGroupScaling<kGroups, kReduceMaxOnJump>>;
 
-// Two fp32 -> packed e4m3x2 (round to nearest even, saturating): lo in bits 0..7, hi in 8..15.
-__device__ __forceinline__ uint32_t cvt_e4m3x2(float lo, float hi) {
-  uint16_t r;
-  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-  return r;
-}
-
 // P (fp32 in the S accumulator) -> e4m3 A-operand registers of the PV wgmma, in place order (see
-// fp8/layout.h: the key permutation lives in the transposed V). tOrP: the A fragment (16 e4m3
-// per k32 step, register-major), same element count as tSrS.
+// common/fp8_a_operand.cuh: the key permutation lives in the transposed V). tOrP: the A fragment
+// (16 e4m3 per k32 step, register-major), same element count as tSrS.
 // [kStepBegin, kStepEnd): the k32 steps to convert.
 template <int kStepBegin, int kStepEnd, class FragS, class FragP>
 __device__ __forceinline__ void convert_p_fp8(FragS const& tSrS, FragP& tOrP) {
   static_assert(decltype(size(tOrP))::value == decltype(size(tSrS))::value);
   static_assert(decltype(size(tSrS))::value % 16 == 0);
-  cute::Tensor p32 = cute::recast<uint32_t>(tOrP);
-#pragma unroll
-  for (int step = kStepBegin; step < kStepEnd; ++step) {
-#pragma unroll
-    for (int a = 0; a < 4; ++a) {
-      const int base = 16 * step;
-      const uint32_t lo = cvt_e4m3x2(tSrS(base + fp8::fp8_p_source(a, 0)),
-                                     tSrS(base + fp8::fp8_p_source(a, 1)));
-      const uint32_t hi = cvt_e4m3x2(tSrS(base + fp8::fp8_p_source(a, 2)),
-                                     tSrS(base + fp8::fp8_p_source(a, 3)));
-      p32(4 * step + a) = lo | (hi << 16);
-    }
-  }
+  fp8::pack_e4m3_a_operand<kStepBegin, kStepEnd>([&](int i) { return tSrS(i); }, tOrP);
 }
 
 }  // namespace jax_fa3::fwd
