@@ -6,11 +6,13 @@ bf16 inputs. Per peer: the step (forward + backward, one call), the forward alon
 (step minus forward), in ms; and the step's device memory from XLA's compiled memory analysis
 (arguments + outputs + temporaries, workspace included; aliased buffers counted once).
 
-  python benchmarks/bench_step.py [--seqlens 8192] [--head-dims 128,256] [--json out.json]
+  python benchmarks/bench_step.py [--seqlens 8192] [--head-dims 128,256] [--peers bf16,fp8]
+                                  [--json out.json]
 
 Peers: `bf16` (jax_fa3.flash_attention), `fp8` (flash_attention_fp8 from bf16, backward="bf16":
 the bf16 backward kernel at the quantized q and k, from the fp8 forward's out and lse), `fp8_recompute` (backward=
-"recompute": a bf16 forward runs again before the backward), `cudnn`
+"recompute": a bf16 forward runs again before the backward), `fp8_backward_fp8` (backward="fp8":
+the fp8 backward kernel, e4m3 for S, dV and dK), `cudnn`
 (jax.nn.dot_product_attention(implementation="cudnn")). Each peer's gradients are checked
 against our bf16 ones before its time is quoted (fp8: within 8e-2 relative, the fp8 error).
 """
@@ -35,7 +37,7 @@ def _peers(causal):
   fp8 = lambda backward: (lambda q, k, v: jax_fa3.flash_attention_fp8(q, k, v, causal=causal,
                                                                        backward=backward))
   peers = {"bf16": lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=causal),
-           "fp8": fp8("bf16"), "fp8_recompute": fp8("recompute")}
+           "fp8": fp8("bf16"), "fp8_recompute": fp8("recompute"), "fp8_backward_fp8": fp8("fp8")}
   if jax.devices()[0].platform == "gpu":
     peers["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation="cudnn")
@@ -62,7 +64,7 @@ def _rel(a, b) -> float:
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def run(head_dims, seqlens, min_time):
+def run(head_dims, seqlens, min_time, peers=None):
   rows = []
   for d, causal in CASES:
     if d not in head_dims:
@@ -74,6 +76,8 @@ def run(head_dims, seqlens, min_time):
       do = jax.random.normal(jax.random.PRNGKey(1), q.shape, jnp.float32)
       reference_grads = None
       for name, forward in _peers(causal).items():
+        if peers is not None and name not in peers:
+          continue
 
         def measure(row, name=name, forward=forward):
           nonlocal reference_grads
@@ -117,11 +121,14 @@ def main():
   parser.add_argument("--seqlens", default="8192")
   parser.add_argument("--min-time", type=float, default=0.2)
   parser.add_argument("--json", default="bench_step.json")
+  parser.add_argument("--peers", default=None,
+                      help="comma-separated subset (default: all), e.g. bf16,fp8_backward_fp8")
   args = parser.parse_args()
   header = _bench.run_header(__file__)
   print(json.dumps(header))
   rows = run([int(x) for x in args.head_dims.split(",")],
-             [int(x) for x in args.seqlens.split(",")], args.min_time)
+             [int(x) for x in args.seqlens.split(",")], args.min_time,
+             None if args.peers is None else set(args.peers.split(",")))
   with open(args.json, "w") as f:
     json.dump(dict(header=header, rows=rows), f, indent=1)
   print(f"\n{header}\nattention training step (value_and_grad), bf16 inputs\n{table(rows)}")
