@@ -199,7 +199,9 @@ def test_gradients_through_lse():
 
 
 def test_vmap_folds_into_the_batch():
-  cfg = _config(128)
+  # deterministic=True: bit for bit needs dQ's partials added in a fixed order (the atomic adds
+  # of deterministic=False moved 0.4% of dq by an ulp between the two runs on the H100).
+  cfg = _config(128, deterministic=True)
   q, k, v, dout = _floats(31, 2, 200, 260, 4, 2, 128)
   args = [x for x in _kernel(_residuals(q, k, v, cfg), v, dout, cfg)[1]]
   stacked = [jnp.stack([x, x[::-1]]) for x in args]  # two lanes: the batch, and reversed
