@@ -124,15 +124,37 @@ KEY_OF_SLOT = tuple(16 * (c // 16) + 8 * ((c % 4) // 2) + 2 * ((c % 16) // 4) + 
                     for c in range(KEY_PAD))
 
 
+def _key_bit_of_slot_bit() -> tuple[int, ...]:
+  """KEY_OF_SLOT permutes the five bits of the index: slot bit i is key bit [i] (checked)."""
+  bits = KEY_PAD.bit_length() - 1
+  of = tuple(KEY_OF_SLOT[1 << i].bit_length() - 1 for i in range(bits))
+  assert sorted(of) == list(range(bits)) and all(
+      KEY_OF_SLOT[c] == sum(1 << of[i] for i in range(bits) if c >> i & 1) for c in range(KEY_PAD))
+  return of
+
+
+_KEY_BIT_OF_SLOT_BIT = _key_bit_of_slot_bit()
+
+
 def kernel_v_layout(values):
   """e4m3 (b, s, h, d) -> the fp8 kernel's V layout (b, h, d, s_pad): keys last, padded with
   zeros to s_pad = s rounded up to 32, permuted inside each group of 32 (KEY_OF_SLOT). What the
-  CUDA pass writes in its keys-transposed mode; here for vmap lanes that take the XLA path."""
+  CUDA pass writes in its keys-transposed mode; here for vmap lanes that take the XLA path.
+
+  The permutation is one of the index's bits, so a reshape and a transpose (no gather: its
+  index array would be a constant the traced function closes over, which custom_partitioning
+  rejects: `assert not closed_call.consts`)."""
   b, s, h, d = values.shape
   s_pad = -(-s // KEY_PAD) * KEY_PAD
+  bits = len(_KEY_BIT_OF_SLOT_BIT)
   padded = jnp.pad(values, ((0, 0), (0, s_pad - s), (0, 0), (0, 0)))
-  slots = (np.arange(s_pad) // KEY_PAD) * KEY_PAD + np.asarray(KEY_OF_SLOT)[np.arange(s_pad) % KEY_PAD]
-  return jnp.transpose(padded[:, slots], (0, 2, 3, 1))
+  # Key axis -> (group, key bit 4, ..., key bit 0); the slot axes (slot bit 4, ..., 0) take the
+  # key-bit axes they name, then go last.
+  split = padded.reshape((b, s_pad // KEY_PAD) + (2,) * bits + (h, d))
+  key_axis = lambda j: 2 + bits - 1 - j  # the axis of key bit j
+  slot_axes = tuple(key_axis(_KEY_BIT_OF_SLOT_BIT[i]) for i in reversed(range(bits)))
+  out = jnp.transpose(split, (0, 2 + bits, 3 + bits, 1) + slot_axes)
+  return out.reshape(b, h, d, s_pad)
 
 
 def _xla_quantize_kernel_v_layout(x, signs, mean, rotate: bool):

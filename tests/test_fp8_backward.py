@@ -294,3 +294,44 @@ def test_kernel_operands_reproduce_the_emulation(d, s_q, s_k, h, h_k, causal, wi
   want = emulation.emulated_backward(q8, q_scale, k8, k_scale, v, out, lse, dout, cfg)
   for name, a, b_ in zip(("dq", "dk", "dv"), got, want):  # measured: at most 9e-7 (dq)
     assert _rel(a, b_) < 1e-5, (name, _rel(a, b_))
+
+
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_gpu_program_traces_on_cpu(monkeypatch, return_lse):
+  """The program a Hopper GPU would run for jax.grad(backward="fp8"), lowered here for platform
+  CUDA (jax.export; nothing runs), kernels faked present: the backward's partitioned op calls
+  the fp8 backward kernel, and what it traces closes over no constant array (custom_partitioning
+  asserts `not closed_call.consts`: the kernel's transposed operands once took a gather with a
+  NumPy index array, which failed on the GPU only, the CPU tracing the emulation alone); vmap
+  folds into one such program."""
+  from jax_fa3 import _ffi  # noqa: PLC0415
+  monkeypatch.setattr(_ffi, "kernels_available", lambda: True)
+  monkeypatch.setattr(_ffi, "has_target", lambda name: True)
+  monkeypatch.setattr(_ffi, "ensure_registered", lambda: None)
+  monkeypatch.setattr(_ffi, "build_config", lambda: {"head_dims": ("64", "128")})
+  # Sizes from the extension (not needed here: the program is only lowered).
+  monkeypatch.setattr(_ffi, "flash_fwd_fp8_workspace_bytes", lambda *a: 1024)
+  monkeypatch.setattr(_ffi, "flash_bwd_fp8_workspace_bytes", lambda *a: 1024)
+  targets = (_fp8_quantize.ROTATE_QUANTIZE_TARGET, _fp8_forward.KERNEL_TARGET,
+             _fp8_backward.KERNEL_TARGET, "jax_fa3_hadamard")
+  checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]
+  q, k, v, dout = _normal(8, (2, 200, 4, 64), (2, 260, 2, 64), (2, 260, 2, 64), (2, 200, 4, 64))
+
+  def loss(q, k, v):
+    out = flash_attention_fp8(q, k, v, causal=True, backward="fp8", return_lse=return_lse)
+    if return_lse:
+      out, lse = out
+      return jnp.sum(out.astype(jnp.float32) * dout) + jnp.sum(jnp.sin(lse))
+    return jnp.sum(out.astype(jnp.float32) * dout)
+
+  def lowered(fn, *args):
+    return jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(
+        *args).mlir_module()
+
+  grads = jax.grad(loss, argnums=(0, 1, 2))
+  text = lowered(grads, q, k, v)
+  assert text.count(f"@{_fp8_backward.KERNEL_TARGET}(") == 1
+  assert "@jax_fa3_flash_bwd(" not in text
+  stack = lambda x: jnp.stack([x, x])
+  text = lowered(jax.vmap(grads), *map(stack, (q, k, v)))
+  assert text.count(f"@{_fp8_backward.KERNEL_TARGET}(") == 1

@@ -20,6 +20,16 @@ with probability ~7e-4 / 2^-3.5 ~ 1%, by one e4m3 step (~9% of it), so the RMS o
 by ~sqrt(0.01) * 0.09 ~ 1e-2 of their RMS at most (the fp8 error itself, kernel or emulation vs
 exact, is ~5e-2). Hence RMS(kernel - emulation) <= 1e-2 RMS(emulation) for dq and 2e-2 for dk,
 dv; a wrong permutation, scale or mask is off by O(1).
+That bound is relative to the emulation's own dq and dk, which fails where dS = P (dP - D) is
+only the float32 rounding of the cancellation: with one key (s_k = 1) P = 1 and out = v exactly
+(v centred by its own mean, v8 = 0), so dP = D = dO.v and the exact dq and dk are 0; the
+emulation's (~1e-8) and the kernel's are the rounding noise of two different summation orders
+(on the H100 the kernel's dq was 2-3x the emulation's RMS away from it, as NumPy's orders and a
+truncating tensor-core model are on the CPU). Hence a floor, `_cancellation_floors`: the RMS
+noise of dP - D (~2 sqrt(d) 2^-23 of the sum of |products|) carried into dq and dk, added in
+quadrature (independent sources). It moves the bound by <= 1.1% where dS is not degenerate
+(window (0, 0) at d = 128; < 0.05% typically) and stays below 1e-4 absolute with one key, where
+a key past s_k leaking into dQ would add O(0.1).
 Against float64, the gradient of the fp8 function is dominated by the forward's fp8 error; the
 kernel's extra ~1e-2 adds in quadrature to the emulation's ~5e-2 (a factor 1.02).
 All kernel outputs are NaN-poisoned before the kernel runs (JAX_FA3_DEBUG_POISON_OUTPUTS=1), so an
@@ -40,7 +50,7 @@ from jax_fa3._config import AttentionConfig, Fp8Config  # noqa: E402
 from ffi_probe import ffi_error_message  # noqa: E402
 from kernel_targets import (FLASH_BWD, FLASH_BWD_FP8, FLASH_FWD_FP8,  # noqa: E402
                             compile_on_kernels, compiled_text, kernel_targets, run_on_kernels)
-from oracle import attention_oracle_grads  # noqa: E402
+from oracle import attention_oracle_grads, visibility_mask  # noqa: E402
 from outlier_inputs import outlier_qkv_dout  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -104,6 +114,33 @@ def _emulated(args, cfg, dlse=None):
     return emulate(*on_cpu, dlse)
 
 
+def _cancellation_floors(args, cfg):
+  """The RMS noise of dq and dk that the float32 rounding of dP - D leaves (module docstring):
+  scale * sum_j P_ij * delta_ij * |k~_j| and scale * sum_i P_ij * delta_ij * |q_i|, float64, with
+  delta_ij = 2 sqrt(d) 2^-23 (|dO_i|.|v_j| + |dO_i|.|out_i|): each of the two dot products takes
+  at most d roundings (truncations on the tensor cores: at most 2^-23 of a partial sum, d / 8 of
+  them at most, one per k-group) of partial sums no larger than the sum of |products|, random in
+  sign on the CPU (sqrt(d) 2^-24), biased on the GPU (d / 8 2^-23 <= sqrt(d) 2^-23 for d <= 64,
+  1.4x that at 128); the factor 2 covers the kernel's and the emulation's together."""
+  q8, k8, v, out, lse, dout, q_rows, k_rows = (np.asarray(x, np.float64) for x in args)
+  b, s_q, h, d = q8.shape
+  s_k, h_k = k8.shape[1], k8.shape[2]
+  g = h // h_k
+  q = q8 * np.swapaxes(q_rows, 1, 2)[..., None]  # dequantized, rotated (b, s_q, h, d)
+  k = np.repeat(k8 * np.swapaxes(k_rows, 1, 2)[..., None], g, axis=2)  # (b, s_k, h, d)
+  scale = cfg.attention.softmax_scale
+  visible = visibility_mask(s_q, s_k, cfg.window_left, cfg.window_right) & np.isfinite(
+      lse)[..., None]
+  with np.errstate(invalid="ignore", over="ignore"):
+    p = np.where(visible, np.exp(scale * np.einsum("bqhd,bkhd->bhqk", q, k) - lse[..., None]), 0.)
+  dot_sizes = (np.einsum("bqhd,bkhd->bhqk", np.abs(dout), np.abs(np.repeat(v, g, axis=2)))
+               + np.einsum("bqhd,bqhd->bhq", np.abs(dout), np.abs(out))[..., None])
+  weight = p * (2 * np.sqrt(d) * 2.0**-23) * dot_sizes  # P_ij delta_ij (b, h, s_q, s_k)
+  dq_floor = scale * np.einsum("bhqk,bkhd->bqhd", weight, np.abs(k))
+  dk_floor = scale * np.einsum("bhqk,bqhd->bkhd", weight, np.abs(q))
+  return dq_floor, dk_floor.reshape(b, s_k, h_k, g, d).sum(axis=3)
+
+
 def _check(seed, b, s_q, s_k, h, h_k, d, dtype=jnp.bfloat16, **config):
   """Kernel vs emulation on the fp8 forward kernel's residuals; returns the kernel's grads, the
   backward's arguments and the config."""
@@ -114,11 +151,14 @@ def _check(seed, b, s_q, s_k, h, h_k, d, dtype=jnp.bfloat16, **config):
     assert got.dtype == jnp.float32 and got.shape == shape
     assert np.all(np.isfinite(np.asarray(got))), "non-finite gradient (unwritten or NaN)"
   want = _emulated(args, cfg)
-  for name, got, ref, tol in (("dq", dq, want[0], DQ_TOL), ("dk", dk, want[1], DKV_TOL),
-                              ("dv", dv, want[2], DKV_TOL)):
+  dq_floor, dk_floor = _cancellation_floors(args, cfg)
+  for name, got, ref, tol, floor in (("dq", dq, want[0], DQ_TOL, _rms(dq_floor)),
+                                     ("dk", dk, want[1], DKV_TOL, _rms(dk_floor)),
+                                     ("dv", dv, want[2], DKV_TOL, 0.0)):
     scale = max(_rms(ref), 1e-30)
-    assert _rms(np.asarray(got, np.float64) - np.asarray(ref, np.float64)) <= tol * scale, (
-        name, _rms(np.asarray(got, np.float64) - np.asarray(ref, np.float64)) / scale)
+    err = _rms(np.asarray(got, np.float64) - np.asarray(ref, np.float64))
+    # Independent error sources: their RMS add in quadrature (module docstring).
+    assert err <= np.hypot(tol * scale, floor), (name, err / scale, floor / scale)
   return (dq, dk, dv), args, cfg
 
 
@@ -199,7 +239,9 @@ def test_gradients_through_lse():
 
 
 def test_vmap_folds_into_the_batch():
-  cfg = _config(128)
+  # deterministic=True: bit for bit needs dQ's partials added in a fixed order (the atomic adds
+  # of deterministic=False moved 0.4% of dq by an ulp between the two runs on the H100).
+  cfg = _config(128, deterministic=True)
   q, k, v, dout = _floats(31, 2, 200, 260, 4, 2, 128)
   args = [x for x in _kernel(_residuals(q, k, v, cfg), v, dout, cfg)[1]]
   stacked = [jnp.stack([x, x[::-1]]) for x in args]  # two lanes: the batch, and reversed
