@@ -25,10 +25,12 @@ tiles of BACKWARD_TILE_Q(d) rows, the kernel's kBlockM; key rows j):
   16 bits and k̃ the dequantized k8 in 16 bits (the inputs' type, or bfloat16 for float32 inputs).
 - dK: y_ji = dS'_ij · w_i, w_i = q_scale(i) / (2^8·r_i), is quantized per key row j with a lazy
   running maximum over the query tiles in the kernel's order (the query heads sharing the kv
-  head, then the tiles): M_j moves to a tile's max |y_ji| only when that exceeds
-  M_j·2^LAZY_MAX_MARGIN_LOG2, and the accumulator row is then multiplied by M_old/M_new; the tile
-  adds Σ_i e4m3(dS'_ij · (w_i · (2^Y_PRESCALE_LOG2 / M_j)))·q8_i, so |values| <= 2^(6+2.8) < 448.
-  dK = acc · M_j / 2^6 · softmax_scale.
+  head, then the tiles): M_j moves to a tile's max |y_ji| only when that exceeds both
+  M_j·2^LAZY_MAX_MARGIN_LOG2 and MIN_RUNNING_MAX, and the accumulator row is then multiplied by
+  M_old/M_new; the tile adds Σ_i e4m3((dS'_ij · w_i) · (2^Y_PRESCALE_LOG2 / M_j))·q8_i, so
+  |values| <= 2^(6+2.8) < 448. The floor keeps 2^6 / M_j finite, and multiplying y, not w_i, by it
+  keeps every product finite: no 0·inf where dS' = 0 (masked keys) or w_i = 0 (padding rows);
+  a key row whose |y| never exceeds 2^-100 gets dK = 0. dK = acc · M_j / 2^6 · softmax_scale.
 
 dq and dk are returned in the rotated basis the kernel multiplies in (`jax_fa3.fp8` rotates them
 back). Every e4m3 product is exact and accumulates in float32 here; the tensor cores keep ~13
@@ -50,6 +52,7 @@ from jax_fa3._fp8_quantize import block_amax, per_token, quantize_blocks, to_e4m
 DOUT_BLOCK = 64  # tokens per dO scale
 P_PRESCALE_LOG2 = 8  # P' = 2^8 · r · P <= 256
 Y_PRESCALE_LOG2 = 6  # dK operand: 2^6 · y / M <= 2^(6 + LAZY_MAX_MARGIN_LOG2) = 445.7
+MIN_RUNNING_MAX = 2.0**-100  # dK operand: M only moves above it (2^6 / M stays finite)
 
 _HIGHEST = lax.Precision.HIGHEST
 _LOG2E = 1.4426950408889634
@@ -170,13 +173,12 @@ def emulated_backward(q8, q_scale, k8, k_scale, v, out, lse, dout, cfg: Fp8Confi
                     precision=_HIGHEST) * (x["unscale"] * scale)[..., None]
     w = x["q_scale"] * x["unscale"]  # (b, h_k, tile): q's scale over 2^8 r, per query row
     tile_max = (jnp.abs(ds) * w[..., None]).max(axis=2)  # max |y| per key row
-    moved = tile_max > running * margin
+    moved = tile_max > jnp.maximum(running * margin, f32(MIN_RUNNING_MAX))
     new_running = jnp.where(moved, tile_max, running)
     safe = jnp.where(new_running > 0, new_running, 1.0)
     rescale = jnp.where(moved & (running > 0), running / safe, jnp.where(moved, 0.0, 1.0))
-    # The kernel's order: one coefficient per (row, key row), then one product per element.
-    y_coef = w[..., None] * (y_prescale / safe)[:, :, None, :]
-    y8 = to_e4m3(ds * y_coef).astype(f32)
+    # The kernel's order: y = dS' · w_i, then one product by 2^6 / M per element.
+    y8 = to_e4m3((ds * w[..., None]) * (y_prescale / safe)[:, :, None, :]).astype(f32)
     dk_acc = dk_acc * rescale[..., None] + jnp.einsum("bhqk,bhqd->bhkd", y8, x["q8"],
                                                       precision=_HIGHEST)
     return (dv_acc, dk_acc, new_running), dq

@@ -98,6 +98,7 @@ def test_fp8_backward_layout_facts_hold_for_every_bucket(tmp_path):
   assert float(constants["dk_prescale"]) == 2.0**emulation.Y_PRESCALE_LOG2
   assert (np.float32(constants["dk_lazy_margin"])
           == np.float32(2.0**_fp8_emulation.LAZY_MAX_MARGIN_LOG2))
+  assert np.float32(constants["dk_min_running_max"]) == np.float32(emulation.MIN_RUNNING_MAX)
 
 
 def test_forward_tile_scheduler_covers_every_tile_once(tmp_path):

@@ -108,6 +108,31 @@ def test_scale_folding_is_exact_without_rounding(monkeypatch, d, s_q, s_k, causa
     assert _rel(a, b) < 5e-3, (name, _rel(a, b))
 
 
+def test_dk_operand_stays_finite_for_a_key_far_below_every_row_maximum():
+  # Every query sees key 1.. about 90 nats below key 0: their P' is ~1e-39 (float32 subnormals),
+  # so those keys' dK-operand maximum M is far below 2^-122 and 2^6 / M overflows to inf. M only
+  # moves above MIN_RUNNING_MAX and the operand is (dS' w) * (2^6 / M): dK stays finite (those
+  # keys' dK, ~1e-39 relative, rounds to 0 in e4m3).
+  d, s = 64, 128
+  q, k, v, dout = _normal(7, (1, s, 1, d), (1, s, 1, d), (1, s, 1, d), (1, s, 1, d))
+  cfg = _config(q, k, v)
+  blocks = -(-s // cfg.block_size)
+  q8 = jnp.ones((1, s, 1, d), jnp.float8_e4m3fn)
+  k8 = jnp.full((1, s, 1, d), -1.0, jnp.float8_e4m3fn).at[:, 0].set(1.0)
+  q_scale = jnp.ones((1, 1, blocks), jnp.float32)
+  gap = 90.0  # nats between key 0 and the others: 2 * 64 * k_scale * softmax_scale
+  k_scale = jnp.full((1, 1, blocks), gap / (2 * d * cfg.attention.softmax_scale), jnp.float32)
+  scores = np.where(np.arange(s) == 0, gap / 2, -gap / 2)  # the same for every query
+  lse = np.full((1, 1, s), gap / 2 + np.log1p((s - 1) * np.exp(-gap)), np.float32)
+  probs = np.exp(scores - lse[0, 0, 0])
+  out = jnp.asarray(np.einsum("k,kd->d", probs, np.asarray(v[0, :, 0], np.float64))[None, None, None]
+                    * np.ones((1, s, 1, 1)), jnp.bfloat16)
+  dq, dk, dv = emulation.emulated_backward(q8, q_scale, k8, k_scale, v, out, jnp.asarray(lse),
+                                           dout, cfg)
+  for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
+    assert np.all(np.isfinite(np.asarray(x))), name
+
+
 def _grads(q, k, v, dout, **kwargs):
   loss = lambda q, k, v, dout: jnp.sum(flash_attention_fp8(q, k, v, **kwargs).astype(jnp.float32)
                                        * dout.astype(jnp.float32))
@@ -248,12 +273,12 @@ def _kernel_model(operands, cfg, s_q, s_k, h_k):
           dq_rows[r] = round16(ds).T @ k_used[bb, :, hk]
           w = dk_coef[bb, qh, r][None, :]
           block_max = (np.abs(ds) * w).max(axis=1)
-          moved = block_max > running * margin
+          moved = block_max > np.maximum(running * margin, f32(2.0**-100))
           rescale = np.where(moved, np.where(running > 0, running / np.where(moved, block_max, 1),
                                              0.0), 1.0).astype(f32)
           running = np.where(moved, block_max, running).astype(f32)
           inv = np.where(moved, f32(64.0) / np.where(moved, block_max, 1), inv).astype(f32)
-          dk_acc = dk_acc * rescale[:, None] + e4m3(ds * (w * inv[:, None])) @ q_rows[r]
+          dk_acc = dk_acc * rescale[:, None] + e4m3((ds * w) * inv[:, None]) @ q_rows[r]
         dq[bb, :, qh] = dq_rows[:s_q] * dq_scale[bb, qh][:, None]
       dk[bb, :, hk] = dk_acc * (running / f32(64.0) * f32(cfg.attention.softmax_scale))[:, None]
       dv[bb, :, hk] = dv_acc * dv_scale[bb, hk]

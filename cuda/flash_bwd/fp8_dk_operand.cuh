@@ -19,6 +19,9 @@ constexpr float kFp8DkPrescale = 64.f;
 // float32(2^LAZY_MAX_MARGIN_LOG2) = float32(2^2.8), the emulation's margin (checked against it by
 // tests/test_cuda_layouts.py).
 constexpr float kFp8DkLazyMargin = 6.96440450636899f;
+// MIN_RUNNING_MAX of the emulation: M only moves above it, so 2^6 / M stays finite (2^106 at most)
+// and no 0 * inf reaches the operand where dS' or w is 0.
+constexpr float kFp8DkMinRunningMax = 0x1p-100f;
 
 struct Fp8DkOperandScale {
   float running[2] = {0.f, 0.f};                        // M of the thread's two key rows
@@ -42,7 +45,7 @@ struct Fp8DkOperandScale {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float m = quad_max(block_max[r]);
-      const bool moved = m > running[r] * kFp8DkLazyMargin;
+      const bool moved = m > fmaxf(running[r] * kFp8DkLazyMargin, kFp8DkMinRunningMax);
       rescale[r] = !moved ? 1.f : running[r] > 0.f ? __fdividef(running[r], m) : 0.f;
       if (moved) {
         running[r] = m;
@@ -57,10 +60,11 @@ struct Fp8DkOperandScale {
     }
   }
 
-  // The value quantized for accumulator index i: dS'_ij * (w_i * 2^6 / M_j) (the emulation's
-  // order: one coefficient per (row, key row), then one product).
+  // The value quantized for accumulator index i: (dS'_ij * w_i) * 2^6 / M_j (the emulation's
+  // order). |dS' w| <= margin * M, so the product is at most 445.7 and always finite; w * 2^6 / M
+  // first could overflow where w is large (rows of tiny dO) and give 0 * inf = NaN.
   __device__ __forceinline__ float operand(float ds, float w, int i) const {
-    return ds * (w * inv[frag_row(i)]);
+    return (ds * w) * inv[frag_row(i)];
   }
 
   // dK's factor of key row r at the end.

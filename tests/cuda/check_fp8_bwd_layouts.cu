@@ -108,6 +108,7 @@ int check_bucket() {
 int main() {
   std::printf("dk_prescale: %.9g\n", double(jax_fa3::flash_bwd::kFp8DkPrescale));
   std::printf("dk_lazy_margin: %.9g\n", double(jax_fa3::flash_bwd::kFp8DkLazyMargin));
+  std::printf("dk_min_running_max: %.9g\n", double(jax_fa3::flash_bwd::kFp8DkMinRunningMax));
   const int errors = check_bucket<64>() + check_bucket<128>();
   return errors ? 1 : 0;
 }
