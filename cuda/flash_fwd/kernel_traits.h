@@ -97,10 +97,11 @@ struct ForwardTraitsBase {
 
 // kKeyRanges_: the masked variant, reading per-query key ranges (common/key_ranges.h) in place of
 // the window; a separate instantiation, so that the whole-row kernel's code stays free of them.
-template <int kHeadDim_, typename Element_, bool kKeyRanges_ = false>
-struct KernelTraits
-    : ForwardTraitsBase<kHeadDim_, Element_, 128, BlockN<kHeadDim_>::value> {
-  using Base = ForwardTraitsBase<kHeadDim_, Element_, 128, BlockN<kHeadDim_>::value>;
+// kBlockN_: the bucket's key block, or a narrower one for short masked problems (launch.h).
+template <int kHeadDim_, typename Element_, bool kKeyRanges_ = false,
+          int kBlockN_ = BlockN<kHeadDim_>::value>
+struct KernelTraits : ForwardTraitsBase<kHeadDim_, Element_, 128, kBlockN_> {
+  using Base = ForwardTraitsBase<kHeadDim_, Element_, 128, kBlockN_>;
   using typename Base::Element, typename Base::ElementAccum;
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kNumConsumerWarpGroups, Base::kStages;
   using ElementOut = Element;  // O is written in the input type (fp8: Fp8KernelTraits)
