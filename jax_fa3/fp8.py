@@ -177,11 +177,12 @@ def _fp8_attention_fwd(q, k, v, signs, cfg, backward):
   return (out, lse), (q_used, k_used, v, signs, (out, lse))
 
 
-def _rotate_back(x, signs, cfg: Fp8Config):
-  """The transpose of x -> H·diag(signs)·x (hadamard_transform): diag(signs)·H·x."""
+def _rotate_back(x, signs, cfg: Fp8Config, out_dtype=None):
+  """The transpose of x -> H·diag(signs)·x (hadamard_transform): diag(signs)·H·x, in out_dtype
+  (x's by default; a float32 x rounded once, inside the transform)."""
   if not cfg.incoherent:
-    return x
-  return hadamard_transform(x, signs=signs, inverse=True)
+    return x if out_dtype is None else x.astype(out_dtype)
+  return hadamard_transform(x, signs=signs, inverse=True, out_dtype=out_dtype)
 
 
 def _backward_at_operands_local(q, k, v, out, lse, dout, signs, cfg: Fp8Config, dlse=None):
@@ -199,8 +200,8 @@ def _fp8_backward_local(q8, k8, v, out, lse, dout, q_rows, k_rows, signs, cfg: F
   dq and dk rotated back, in out's and v's dtype (q's and k's)."""
   dq, dk, dv = _fp8_backward.fp8_backward(q8, k8, v, out, lse, dout, q_rows, k_rows, cfg,
                                           dlse=dlse)
-  return (_rotate_back(dq, signs, cfg).astype(out.dtype),
-          _rotate_back(dk, signs, cfg).astype(v.dtype), dv.astype(v.dtype))
+  return (_rotate_back(dq, signs, cfg, out.dtype), _rotate_back(dk, signs, cfg, v.dtype),
+          dv.astype(v.dtype))
 
 
 def _backward_ops(name, local, extra=()):

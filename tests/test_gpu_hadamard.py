@@ -45,6 +45,25 @@ def test_kernel_inverse_matches_reference_and_undoes_the_transform(d, dtype, tol
   np.testing.assert_allclose(np.asarray(back), np.asarray(x32), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_kernel_out_dtype_is_the_float32_kernel_rounded_once(d, out_dtype, inverse):
+  # Bit for bit: the float32 transform in registers, rounded once to out_dtype (d = 96 takes the
+  # shared-memory kernel, the others the register one).
+  rows = 1001
+  x = jax.random.normal(jax.random.PRNGKey(d + 7), (rows, d), jnp.float32) * 5.0
+  signs = jnp.where(jax.random.bernoulli(jax.random.PRNGKey(3), 0.5, (d,)), 1.0, -1.0)
+  y = run_on_kernels(lambda x, s: jax_fa3.hadamard_transform(x, signs=s, inverse=inverse,
+                                                             out_dtype=out_dtype),
+                     x, signs, expected=HADAMARD)
+  y32 = run_on_kernels(lambda x, s: jax_fa3.hadamard_transform(x, signs=s, inverse=inverse),
+                       x, signs, expected=HADAMARD)
+  assert y.dtype == out_dtype
+  np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                np.asarray(y32.astype(out_dtype), np.float32))
+
+
 def test_kernel_is_called_and_vmaps():
   x = jax.random.normal(jax.random.PRNGKey(3), (3, 5, 128), jnp.bfloat16)
   batched = run_on_kernels(jax.vmap(lambda x, s: jax_fa3.hadamard_transform(x, signs=s)),
@@ -63,3 +82,13 @@ def test_kernel_rejects_bad_shape_via_ffi_error():
                           signs_after=np.bool_(False))
   """)
   assert "signs must have shape (16,)" in message
+
+
+def test_kernel_rejects_a_widening_output_via_ffi_error():
+  message = ffi_error_message("""
+    x = jnp.ones((4, 16), jnp.bfloat16)
+    call = jax.ffi.ffi_call("jax_fa3_hadamard", jax.ShapeDtypeStruct(x.shape, jnp.float32))
+    result = lambda: call(x, jnp.ones((16,), jnp.float32), apply_signs=np.bool_(True),
+                          signs_after=np.bool_(False))
+  """)
+  assert "output dtype must be x's" in message

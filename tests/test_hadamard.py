@@ -85,3 +85,32 @@ def test_bad_inputs():
     jax_fa3.hadamard_transform(jnp.ones((4, 8)), inverse="yes")
   with pytest.raises(ValueError, match="rank >= 1"):
     jax_fa3.hadamard_transform(jnp.ones(()))
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_out_dtype_rounds_the_float32_transform_once(out_dtype, inverse):
+  x = jax.random.normal(jax.random.PRNGKey(4), (5, 7, 128), jnp.float32) * 3.0
+  signs = jnp.where(jax.random.bernoulli(jax.random.PRNGKey(5), 0.5, (128,)), 1.0, -1.0)
+  y = jax_fa3.hadamard_transform(x, signs=signs, inverse=inverse, out_dtype=out_dtype)
+  assert y.dtype == out_dtype
+  want = jax_fa3.hadamard_transform(x, signs=signs, inverse=inverse).astype(out_dtype)
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+  lanes = jax.vmap(lambda x, s: jax_fa3.hadamard_transform(x, signs=s, inverse=inverse,
+                                                           out_dtype=out_dtype))
+  both = lanes(jnp.stack([x, x]), jnp.stack([signs, -signs]))
+  assert both.dtype == out_dtype
+  np.testing.assert_array_equal(np.asarray(both[0], np.float32), np.asarray(want, np.float32))
+  # The transform is linear: the negated signs negate the result.
+  np.testing.assert_array_equal(np.asarray(both[1], np.float32), -np.asarray(want, np.float32))
+
+
+def test_out_dtype_validation():
+  with pytest.raises(ValueError, match="out_dtype must be x's dtype"):
+    jax_fa3.hadamard_transform(jnp.ones((4, 8), jnp.bfloat16), out_dtype=jnp.float32)
+  with pytest.raises(ValueError, match="out_dtype must be x's dtype"):
+    jax_fa3.hadamard_transform(jnp.ones((4, 8), jnp.float32), out_dtype=jnp.int8)
+  with pytest.raises(TypeError, match="out_dtype must be a dtype"):
+    jax_fa3.hadamard_transform(jnp.ones((4, 8), jnp.float32), out_dtype="not a dtype")
+  y = jax_fa3.hadamard_transform(jnp.ones((4, 8), jnp.float16), out_dtype=jnp.float16)
+  assert y.dtype == jnp.float16

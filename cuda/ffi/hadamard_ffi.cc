@@ -23,8 +23,15 @@ ffi::Error hadamard_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   if (!dtype || *dtype == DType::kFloat8E4M3) {
     return invalid("hadamard_transform: x must be float32, bfloat16 or float16");
   }
-  if (y->element_type() != x.element_type() || y->element_count() != x.element_count()) {
-    return invalid("hadamard_transform: output must match x in dtype and shape ", shape_str(dims));
+  if (y->element_count() != x.element_count()) {
+    return invalid("hadamard_transform: output must match x in shape ", shape_str(dims));
+  }
+  const auto out_dtype = ffi_util::to_dtype(y->element_type());
+  const bool narrowing = *dtype == DType::kFloat32 && out_dtype &&
+                         (*out_dtype == DType::kBFloat16 || *out_dtype == DType::kFloat16);
+  if (y->element_type() != x.element_type() && !narrowing) {
+    return invalid("hadamard_transform: output dtype must be x's, or bfloat16 / float16 for a "
+                   "float32 x");
   }
   if (apply_signs) {
     JAX_FA3_RETURN_IF_FFI_ERROR(
@@ -32,7 +39,7 @@ ffi::Error hadamard_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   }
   HadamardParams params{x.untyped_data(), apply_signs ? signs.typed_data() : nullptr,
                         signs_after, y->untyped_data(), static_cast<int64_t>(x.element_count() / d),
-                        static_cast<int>(d), *dtype};
+                        static_cast<int>(d), *dtype, *out_dtype};
   return ffi_util::poison_and_launch(
       "hadamard_transform", stream, [&] { return launch_hadamard(params, stream); }, y);
 }

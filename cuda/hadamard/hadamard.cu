@@ -9,6 +9,29 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarpsPerCta = kThreads / 32;
 
+// A lane's kPerLane consecutive elements of a row, moved as one or two vector accesses (2..32
+// bytes; rows start 16-byte aligned, see launch_typed).
+template <typename T, int kPerLane>
+union LaneVector {
+  static constexpr int kBytes = kPerLane * int(sizeof(T));
+  static_assert(kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16 || kBytes == 32);
+  using Piece = std::conditional_t<
+      kBytes == 2, uint16_t,
+      std::conditional_t<kBytes == 4, uint32_t, std::conditional_t<kBytes == 8, uint2, uint4>>>;
+  static constexpr int kPieces = kBytes > 16 ? kBytes / 16 : 1;
+  Piece piece[kPieces];
+  T elem[kPerLane];
+
+  __device__ __forceinline__ void load(const T* src) {
+#pragma unroll
+    for (int c = 0; c < kPieces; ++c) piece[c] = reinterpret_cast<const Piece*>(src)[c];
+  }
+  __device__ __forceinline__ void store(T* dst) const {
+#pragma unroll
+    for (int c = 0; c < kPieces; ++c) reinterpret_cast<Piece*>(dst)[c] = piece[c];
+  }
+};
+
 // Butterfly stage h of the transform pairs elements (j, j + h) inside each block of 2h elements:
 // the lower becomes a + b, the upper a - b. Both kernels run the stages in the order h = 1, 2, 4,
 // ..., with the same operations, so they agree bit for bit with each other and with
@@ -17,24 +40,16 @@ constexpr int kWarpsPerCta = kThreads / 32;
 // d = 32 * kPerLane (32, 64, 128, 256): a warp transforms a row in registers, lane l holding
 // elements [l * kPerLane, +kPerLane). Stages h < kPerLane stay inside a thread; the others pair
 // lane l with lane l ^ (h / kPerLane) by a shuffle. Memory-bound: each warp first issues the loads
-// of kRows rows (kPerLane * sizeof(T) bytes a lane each), so enough bytes are in flight per SM.
-template <typename T, int kPerLane, int kRows>
-__global__ void __launch_bounds__(kThreads) hadamard_rows_kernel(const T* __restrict__ x,
+// of kRows rows (kPerLane * sizeof(TIn) bytes a lane each), so enough bytes are in flight per SM.
+template <typename TIn, typename TOut, int kPerLane, int kRows>
+__global__ void __launch_bounds__(kThreads) hadamard_rows_kernel(const TIn* __restrict__ x,
                                                                   const float* __restrict__ signs,
                                                                   bool signs_after,
-                                                                  T* __restrict__ y, int64_t rows,
-                                                                  float scale) {
+                                                                  TOut* __restrict__ y,
+                                                                  int64_t rows, float scale) {
   constexpr int kD = 32 * kPerLane;
-  constexpr int kBytes = kPerLane * int(sizeof(T));  // 2..32: one or two vector accesses
-  static_assert(kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16 || kBytes == 32);
-  using Piece = std::conditional_t<
-      kBytes == 2, uint16_t,
-      std::conditional_t<kBytes == 4, uint32_t, std::conditional_t<kBytes == 8, uint2, uint4>>>;
-  constexpr int kPieces = kBytes == 32 ? 2 : 1;
-  union Lane {
-    Piece piece[kPieces];
-    T elem[kPerLane];
-  };
+  using LaneIn = LaneVector<TIn, kPerLane>;
+  using LaneOut = LaneVector<TOut, kPerLane>;
   const int lane = threadIdx.x % 32;
   const int64_t first_row =
       (int64_t(blockIdx.x) * kWarpsPerCta + threadIdx.x / 32) * kRows;
@@ -43,14 +58,10 @@ __global__ void __launch_bounds__(kThreads) hadamard_rows_kernel(const T* __rest
 #pragma unroll
   for (int e = 0; e < kPerLane; ++e) sign[e] = signs != nullptr ? signs[lane * kPerLane + e] : 1.f;
 
-  Lane in[kRows];
+  LaneIn in[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    if (first_row + r < rows) {
-      const Piece* src = reinterpret_cast<const Piece*>(x + (first_row + r) * kD + lane * kPerLane);
-#pragma unroll
-      for (int c = 0; c < kPieces; ++c) in[r].piece[c] = src[c];
-    }
+    if (first_row + r < rows) in[r].load(x + (first_row + r) * kD + lane * kPerLane);
   }
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -81,34 +92,32 @@ __global__ void __launch_bounds__(kThreads) hadamard_rows_kernel(const T* __rest
         v[e] = upper ? other - v[e] : v[e] + other;
       }
     }
-    Lane out;
+    LaneOut out;
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e) {
       float w = v[e] * scale;
       if (signs_after) w *= sign[e];
-      out.elem[e] = from_float<T>(w);
+      out.elem[e] = from_float<TOut>(w);
     }
-    Piece* dst = reinterpret_cast<Piece*>(y + (first_row + r) * kD + lane * kPerLane);
-#pragma unroll
-    for (int c = 0; c < kPieces; ++c) dst[c] = out.piece[c];
+    out.store(y + (first_row + r) * kD + lane * kPerLane);
   }
 }
 
 // Any d up to kHadamardMaxDim: one CTA transforms `rows_per_cta` rows staged in shared memory as
 // fp32, in blocks of block_pow2 (the block-diagonal transform when d is not a power of two).
-template <typename T>
-__global__ void __launch_bounds__(kThreads) hadamard_smem_kernel(const T* __restrict__ x,
+template <typename TIn, typename TOut>
+__global__ void __launch_bounds__(kThreads) hadamard_smem_kernel(const TIn* __restrict__ x,
                                                                   const float* __restrict__ signs,
                                                                   bool signs_after,
-                                                                  T* __restrict__ y, int64_t rows,
+                                                                  TOut* __restrict__ y, int64_t rows,
                                                                   int d, int block_pow2,
                                                                   int rows_per_cta, float scale) {
   extern __shared__ float smem[];
   const int64_t row0 = static_cast<int64_t>(blockIdx.x) * rows_per_cta;
   const int n_rows = static_cast<int>(rows - row0 < rows_per_cta ? rows - row0 : rows_per_cta);
   const int n = n_rows * d;
-  const T* x_tile = x + row0 * d;
-  T* y_tile = y + row0 * d;
+  const TIn* x_tile = x + row0 * d;
+  TOut* y_tile = y + row0 * d;
 
   for (int i = threadIdx.x; i < n; i += kThreads) {
     float v = to_float(x_tile[i]);
@@ -129,26 +138,28 @@ __global__ void __launch_bounds__(kThreads) hadamard_smem_kernel(const T* __rest
   for (int i = threadIdx.x; i < n; i += kThreads) {
     float w = smem[i] * scale;
     if (signs != nullptr && signs_after) w *= signs[i % d];
-    y_tile[i] = from_float<T>(w);
+    y_tile[i] = from_float<TOut>(w);
   }
 }
 
-template <typename T, int kPerLane>
+template <typename TIn, typename TOut, int kPerLane>
 cudaError_t launch_rows(const HadamardParams& p, cudaStream_t stream) {
   // About 32 bytes per lane in flight: 4 rows of 8 bytes (bf16 d = 128), 2 of 16, 1 of 32.
-  constexpr int kLaneBytes = kPerLane * int(sizeof(T));
+  constexpr int kLaneBytes = kPerLane * int(sizeof(TIn));
   constexpr int kRows = kLaneBytes >= 32 ? 1 : 32 / kLaneBytes > 4 ? 4 : 32 / kLaneBytes;
   constexpr int64_t kRowsPerCta = int64_t(kWarpsPerCta) * kRows;
   const int64_t ctas = (p.rows + kRowsPerCta - 1) / kRowsPerCta;
   if (ctas > 0x7fffffff) return cudaErrorInvalidValue;
   const float scale = rsqrtf(static_cast<float>(32 * kPerLane));
-  hadamard_rows_kernel<T, kPerLane, kRows><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(
-      static_cast<const T*>(p.x), p.signs, p.signs_after, static_cast<T*>(p.y), p.rows, scale);
+  hadamard_rows_kernel<TIn, TOut, kPerLane, kRows>
+      <<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(static_cast<const TIn*>(p.x), p.signs,
+                                                              p.signs_after, static_cast<TOut*>(p.y),
+                                                              p.rows, scale);
   JAX_FA3_RETURN_IF_LAUNCH_ERROR();
   return cudaSuccess;
 }
 
-template <typename T>
+template <typename TIn, typename TOut>
 cudaError_t launch_typed(const HadamardParams& p, cudaStream_t stream) {
   // Vector accesses need 2..16-byte aligned rows: XLA's buffers are at least 16-byte aligned and
   // every row starts at a multiple of d * sizeof(T) >= 64 bytes.
@@ -156,10 +167,10 @@ cudaError_t launch_typed(const HadamardParams& p, cudaStream_t stream) {
                        reinterpret_cast<uintptr_t>(p.y) % 16 == 0;
   if (aligned) {
     switch (p.d) {
-      case 32: return launch_rows<T, 1>(p, stream);
-      case 64: return launch_rows<T, 2>(p, stream);
-      case 128: return launch_rows<T, 4>(p, stream);
-      case 256: return launch_rows<T, 8>(p, stream);
+      case 32: return launch_rows<TIn, TOut, 1>(p, stream);
+      case 64: return launch_rows<TIn, TOut, 2>(p, stream);
+      case 128: return launch_rows<TIn, TOut, 4>(p, stream);
+      case 256: return launch_rows<TIn, TOut, 8>(p, stream);
       default: break;
     }
   }
@@ -169,13 +180,13 @@ cudaError_t launch_typed(const HadamardParams& p, cudaStream_t stream) {
   if (ctas > 0x7fffffff) return cudaErrorInvalidValue;
   const size_t smem_bytes = sizeof(float) * static_cast<size_t>(rows_per_cta) * p.d;
   if (smem_bytes > 48 * 1024) {
-    JAX_FA3_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(hadamard_smem_kernel<T>,
+    JAX_FA3_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(hadamard_smem_kernel<TIn, TOut>,
                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                       static_cast<int>(smem_bytes)));
   }
   const float scale = rsqrtf(static_cast<float>(block_pow2));
-  hadamard_smem_kernel<T><<<static_cast<unsigned>(ctas), kThreads, smem_bytes, stream>>>(
-      static_cast<const T*>(p.x), p.signs, p.signs_after, static_cast<T*>(p.y), p.rows, p.d,
+  hadamard_smem_kernel<TIn, TOut><<<static_cast<unsigned>(ctas), kThreads, smem_bytes, stream>>>(
+      static_cast<const TIn*>(p.x), p.signs, p.signs_after, static_cast<TOut*>(p.y), p.rows, p.d,
       block_pow2, rows_per_cta, scale);
   JAX_FA3_RETURN_IF_LAUNCH_ERROR();
   return cudaSuccess;
@@ -186,10 +197,18 @@ cudaError_t launch_typed(const HadamardParams& p, cudaStream_t stream) {
 cudaError_t launch_hadamard(const HadamardParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;
   if (p.d <= 0 || p.d > kHadamardMaxDim) return cudaErrorInvalidValue;
+  if (p.out_dtype != p.dtype) {  // float32 in, rounded once to a 16-bit type on the way out
+    if (p.dtype != DType::kFloat32) return cudaErrorInvalidValue;
+    switch (p.out_dtype) {
+      case DType::kBFloat16: return launch_typed<float, __nv_bfloat16>(p, stream);
+      case DType::kFloat16: return launch_typed<float, __half>(p, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
   switch (p.dtype) {
-    case DType::kFloat32: return launch_typed<float>(p, stream);
-    case DType::kBFloat16: return launch_typed<__nv_bfloat16>(p, stream);
-    case DType::kFloat16: return launch_typed<__half>(p, stream);
+    case DType::kFloat32: return launch_typed<float, float>(p, stream);
+    case DType::kBFloat16: return launch_typed<__nv_bfloat16, __nv_bfloat16>(p, stream);
+    case DType::kFloat16: return launch_typed<__half, __half>(p, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -16,10 +16,11 @@ struct HadamardParams {
   const void* x;        // [rows, d], contiguous, dtype
   const float* signs;   // [d] of ±1 (any values are applied as given), or nullptr
   bool signs_after;     // multiply the transform's output by signs (the inverse), not its input
-  void* y;              // [rows, d], same dtype as x
+  void* y;              // [rows, d], out_dtype
   int64_t rows;
   int d;
-  DType dtype;
+  DType dtype;          // x's
+  DType out_dtype;      // y's: dtype, or bfloat16 / float16 from float32 (rounded once)
 };
 
 // Largest row length accepted (d = 32, 64, 128, 256 run a register kernel, a warp per row; other
