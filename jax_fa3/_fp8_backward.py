@@ -67,8 +67,11 @@ def kernel_operands(q8, k8, v, out, lse, dout, q_rows, k_rows, cfg: Fp8Config, d
   pad = lambda x, value: jnp.pad(x, padding, constant_values=value)
   q_scale = q_rows.astype(f32)
   k_used = dequantized_keys(k8, jnp.swapaxes(k_rows.astype(f32), 1, 2)[..., None], op16)
+  # dO8 is materialized before its transposition: fused into the transpose, XLA's quantization
+  # would read dO (and recompute each block's scale) in the transposed, strided order.
+  do8 = lax.optimization_barrier(rows.do8)
   return (q8, kernel_v_layout(q8), k8, k_used, v.astype(op16), dout.astype(op16),
-          kernel_v_layout(rows.do8), pad(rows.lse2, jnp.inf), pad(rows.delta, 0.0),
+          kernel_v_layout(do8), pad(rows.lse2, jnp.inf), pad(rows.delta, 0.0),
           pad(q_scale, 0.0), pad(q_scale * rows.unscale, 0.0),
           rows.unscale * f32(cfg.attention.softmax_scale), k_rows.astype(f32),
           rows.s_max / f32(2.0**P_PRESCALE_LOG2))
