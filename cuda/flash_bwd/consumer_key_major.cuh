@@ -276,11 +276,13 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParamsOf<Traits> co
       if constexpr (kFp8) {
         // While dQ runs: the block's dK operand maxima (dK is idle: the previous block's dK
         // wgmma completed before its bar_empty arrival), then y^T in e4m3.
+        // y^T = dS'^T * w replaces dS'^T in place (the dS tile holds dS' for dQ).
         const float* dk_coef_s = ss.dk_coef[stage];
-        auto w = [&](int i) { return dk_coef_s[get<1>(tScS(i))]; };
-        dk_operand.update(tSrdP, w, tdKrdK);
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrdP); ++i) tSrdP(i) *= dk_coef_s[get<1>(tScS(i))];
+        dk_operand.update(tSrdP, tdKrdK);
         fp8::pack_e4m3_a_operand<0, kFp8Steps>(
-            [&](int i) { return dk_operand.operand(tSrdP(i), w(i), i); }, tdKrdS);
+            [&](int i) { return dk_operand.operand(tSrdP(i), i); }, tdKrdS);
       }
       wg_gemm<false>(mma_dkv, tdKrdS, thr_dkv.partition_fragment_B(sQt), tdKrdK);
       warpgroup_wait<1>();  // dV and dQ are done (groups complete in order); dK may still run

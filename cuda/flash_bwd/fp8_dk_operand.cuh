@@ -27,18 +27,19 @@ struct Fp8DkOperandScale {
   float running[2] = {0.f, 0.f};                        // M of the thread's two key rows
   float inv[2] = {kFp8DkPrescale, kFp8DkPrescale};      // 2^6 / M (2^6 while M = 0)
 
-  // Folds one Q block into the running maxima: ds = the dS'^T accumulator, w(i) = w_i of the
-  // row of accumulator index i; where a maximum moves, that key row of dk (no wgmma in flight on
-  // it) is multiplied by M_old / M_new (0 when M_old = 0: the row is still zero). The divisions
-  // are __fdividef (MUFU.RCP and a product, within 2 ulp of the emulation's rounded quotients;
-  // 0 for a maximum above 2^126): the IEEE division's slow path is a called subroutine, with a
-  // stack frame in the kernel.
-  template <class FragDS, class W, class FragDK>
-  __device__ __forceinline__ void update(FragDS const& ds, W&& w, FragDK& dk) {
+  // Folds one Q block into the running maxima: y = the block's y^T = dS'^T * w, per accumulator
+  // element (replaced in place by the caller: dS' itself has gone to the dS tile already, so it
+  // is multiplied by w once, for the maxima and the operand both); where a maximum moves, that
+  // key row of dk (no wgmma in flight on it) is multiplied by M_old / M_new (0 when M_old = 0: the
+  // row is still zero). The divisions are __fdividef (MUFU.RCP and a product, within 2 ulp of
+  // the emulation's rounded quotients; 0 for a maximum above 2^126): the IEEE division's slow
+  // path is a called subroutine, with a stack frame in the kernel.
+  template <class FragY, class FragDK>
+  __device__ __forceinline__ void update(FragY const& y, FragDK& dk) {
     float block_max[2] = {0.f, 0.f};
 #pragma unroll
-    for (int i = 0; i < cute::size(ds); ++i) {
-      block_max[frag_row(i)] = fmaxf(block_max[frag_row(i)], fabsf(ds(i)) * w(i));
+    for (int i = 0; i < cute::size(y); ++i) {
+      block_max[frag_row(i)] = fmaxf(block_max[frag_row(i)], fabsf(y(i)));
     }
     float rescale[2];
     bool moved_any = false;
@@ -60,12 +61,10 @@ struct Fp8DkOperandScale {
     }
   }
 
-  // The value quantized for accumulator index i: (dS'_ij * w_i) * 2^6 / M_j (the emulation's
-  // order). |dS' w| <= margin * M, so the product is at most 445.7 and always finite; w * 2^6 / M
-  // first could overflow where w is large (rows of tiny dO) and give 0 * inf = NaN.
-  __device__ __forceinline__ float operand(float ds, float w, int i) const {
-    return (ds * w) * inv[frag_row(i)];
-  }
+  // The value quantized for accumulator index i: y_ji * 2^6 / M_j with y = dS' * w (the
+  // emulation's order). |y| <= margin * M, so the product is at most 445.7 and always finite;
+  // w * 2^6 / M first could overflow where w is large (rows of tiny dO) and give 0 * inf = NaN.
+  __device__ __forceinline__ float operand(float y, int i) const { return y * inv[frag_row(i)]; }
 
   // dK's factor of key row r at the end.
   __device__ __forceinline__ float dk_scale(int r, float softmax_scale) const {
