@@ -68,6 +68,15 @@ def test_forward_head_dims_and_dtypes(d, dtype):
   _check_forward(q, k, v, dtype, causal=d % 64 == 0)
 
 
+@pytest.mark.parametrize("s_k", [2048, 2049, 8192, 8193])
+@pytest.mark.parametrize("window", [(-1, 0), (300, 0)])
+def test_forward_d64_masked_tile_choice(s_k, window):
+  # d64 causal / windowed problems up to 8192 keys run 128 x 128 tiles, longer ones 128 x 160
+  # (cuda/flash_fwd/launch.h): both sides of the threshold, and of the old one at 2048.
+  q, k, v = _inputs(s_k + window[0], 1, 300, s_k, 4, 2, 64, jnp.bfloat16)
+  _check_forward(q, k, v, jnp.bfloat16, window_size=window)
+
+
 @pytest.mark.parametrize("window", [(64, 0), (100, 30), (-1, 17), (0, 0)])
 def test_forward_windows(window):
   q, k, v = _inputs(3, 1, 700, 900, 8, 2, 128, jnp.bfloat16)
