@@ -13,6 +13,9 @@ transpose pre-pass included) runs the same shapes (no softcap; block_size 32 and
 pre-quantized inputs and is checked against the pure-JAX emulation (--no-fp8 skips it); the
 fused rotate + quantize pass of q runs too, checked against the XLA path, and so does the user's
 call from floats (`flash_attention_fp8`: v quantized straight into the kernel's V layout).
+--fp8-backward adds `jax.grad` of `flash_attention_fp8(..., backward="fp8")` at d = 64 and 128
+(the fp8 backward kernel, its operand preparation and the rotation back), checked against the
+same call's pure-JAX emulation on the CPU.
 """
 import argparse
 import itertools
@@ -98,11 +101,32 @@ def run_fp8_case(d, b, s_q, s_k, h, h_k, causal, window, block_size):
           "from_floats": _rel(from_floats, from_floats_emu)}
 
 
+def run_fp8_backward_case(d, b, s_q, s_k, h, h_k, causal, window):
+  keys = jax.random.split(jax.random.PRNGKey(d + s_q + 2), 5)
+  q, k, v = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+             for key, shape in zip(keys, ((b, s_q, h, d), (b, s_k, h_k, d), (b, s_k, h_k, d))))
+  do = jax.random.normal(keys[3], (b, s_q, h, d), jnp.float32)
+
+  def loss(q, k, v):
+    out = jax_fa3.flash_attention_fp8(q, k, v, causal=causal, window_size=window,
+                                      backward="fp8", key=keys[4])
+    return jnp.sum(out.astype(jnp.float32) * do)
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  got = grad(q, k, v)
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    want = grad(*[jax.device_put(x, cpu) for x in (q, k, v)])
+  return {name: _rel(g, w) for name, g, w in zip(("dq", "dk", "dv"), got, want)}
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--head-dims", default="64,128,256")
   parser.add_argument("--backward", action="store_true", help="also run jax.grad (needs the bwd kernel)")
   parser.add_argument("--no-fp8", action="store_true", help="skip the fp8 forward cases")
+  parser.add_argument("--fp8-backward", action="store_true",
+                      help="also jax.grad of flash_attention_fp8(backward='fp8') at d = 64, 128")
   args = parser.parse_args(argv)
   tol = 2e-2
   failed = 0
@@ -121,6 +145,16 @@ def main(argv=None):
       ok = all(np.isfinite(e) and e < tol for e in errors.values())
       failed += not ok
       print(f"fp8 d={d} case={case[:-1]} block_size={block_size}: "
+            + " ".join(f"{k}={v:.2e}" for k, v in errors.items()), "ok" if ok else "FAILED",
+            flush=True)
+  if args.fp8_backward:
+    for d, case in itertools.product([int(x) for x in args.head_dims.split(",")], CASES):
+      if d not in (64, 128):
+        continue
+      errors = run_fp8_backward_case(d, *case[:-1])
+      ok = all(np.isfinite(e) and e < tol for e in errors.values())
+      failed += not ok
+      print(f"fp8 backward d={d} case={case[:-1]}: "
             + " ".join(f"{k}={v:.2e}" for k, v in errors.items()), "ok" if ok else "FAILED",
             flush=True)
   print(f"sanitizer cases: {failed} failed", flush=True)
