@@ -74,21 +74,15 @@ def test_kernel_is_called_and_vmaps():
                              atol=1e-2)
 
 
-def test_kernel_rejects_bad_shape_via_ffi_error():
-  message = ffi_error_message("""
-    x = jnp.ones((4, 16), jnp.float32)
-    call = jax.ffi.ffi_call("jax_fa3_hadamard", jax.ShapeDtypeStruct(x.shape, x.dtype))
-    result = lambda: call(x, jnp.ones((3,), jnp.float32), apply_signs=np.bool_(True),
+@pytest.mark.parametrize("x_dtype,out_dtype,signs_len,expected", [
+    ("float32", "float32", 3, "signs must have shape (16,)"),   # signs of the wrong length
+    ("bfloat16", "float32", 16, "output dtype must be x's"),   # a widening output
+])
+def test_kernel_rejects_bad_call_via_ffi_error(x_dtype, out_dtype, signs_len, expected):
+  message = ffi_error_message(f"""
+    x = jnp.ones((4, 16), jnp.{x_dtype})
+    call = jax.ffi.ffi_call("jax_fa3_hadamard", jax.ShapeDtypeStruct(x.shape, jnp.{out_dtype}))
+    result = lambda: call(x, jnp.ones(({signs_len},), jnp.float32), apply_signs=np.bool_(True),
                           signs_after=np.bool_(False))
   """)
-  assert "signs must have shape (16,)" in message
-
-
-def test_kernel_rejects_a_widening_output_via_ffi_error():
-  message = ffi_error_message("""
-    x = jnp.ones((4, 16), jnp.bfloat16)
-    call = jax.ffi.ffi_call("jax_fa3_hadamard", jax.ShapeDtypeStruct(x.shape, jnp.float32))
-    result = lambda: call(x, jnp.ones((16,), jnp.float32), apply_signs=np.bool_(True),
-                          signs_after=np.bool_(False))
-  """)
-  assert "output dtype must be x's" in message
+  assert expected in message
