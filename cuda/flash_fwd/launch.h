@@ -96,6 +96,17 @@ inline bool short_masked(const FlashFwdParams& p) {
   return (p.window_left >= 0 || p.window_right >= 0) && p.s_k <= kShortMaskedKeys;
 }
 
+// Keys computed past s_k by the last block of a row when blocks are `block` keys wide.
+constexpr int64_t tail_keys(int64_t s_k, int block) { return (s_k + block - 1) / block * block - s_k; }
+
+// Without a mask, d64's 160-key blocks also lose where their last block is mostly past s_k:
+// 1024 keys take 1120 (9% of the work wasted), 512 take 640, where 128-key blocks waste none.
+// Past kTailWasteShare of the keys more waste than 128-key blocks would have, they take over.
+constexpr double kTailWasteShare = 0.05;
+inline bool wasteful_tail(const FlashFwdParams& p, int wide_block) {
+  return double(tail_keys(p.s_k, wide_block) - tail_keys(p.s_k, 128)) > kTailWasteShare * p.s_k;
+}
+
 template <int kHeadDim, DType kDType>
 cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
@@ -103,7 +114,9 @@ cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
     return launch_traits<KernelTraits<kHeadDim, Element, true>>(p, stream);
   }
   if constexpr (kHeadDim == 64) {
-    if (short_masked(p)) return launch_traits<KernelTraits<64, Element, false, 128>>(p, stream);
+    if (short_masked(p) || wasteful_tail(p, BlockN<64>::value)) {
+      return launch_traits<KernelTraits<64, Element, false, 128>>(p, stream);
+    }
   }
   return launch_traits<KernelTraits<kHeadDim, Element, false>>(p, stream);
 }
