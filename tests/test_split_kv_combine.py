@@ -218,3 +218,25 @@ def test_batch_and_head_shards_merge_on_their_devices(kernels_faked):
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6)
   assert tuple(got[0].sharding.spec)[:3] == ("data", None, "model")
+
+
+@pytest.mark.skipif(len(CPUS) < 8, reason="needs 8 CPU devices (tests/conftest.py)")
+@pytest.mark.parametrize("n", [1, 3])
+def test_sharded_pieces_merge_on_their_devices(kernels_faked, n):
+  # Batch rows over "data", query rows over "other", heads over "model" (n = 1: no compound
+  # factor in the sharding rule).
+  mesh = make_mesh((2, 2, 2), ("data", "model", "other"), "auto")
+  b, rows, heads, d = 4, 2, 6, 32
+  out, lse = _pieces(n, b, n, rows, heads, d, jnp.bfloat16)
+  merge = jax.jit(lambda o, l: _cache_attention._merge(o, l, b, n, jnp.bfloat16))
+  args = (jax.device_put(out, NamedSharding(mesh, P("data", "other", "model"))),
+          jax.device_put(lse, NamedSharding(mesh, P("data", "model", "other"))))
+  compiled = merge.lower(*args).compile()
+  hlo = compiled.as_text()
+  assert all(hlo.count(c + "(") + hlo.count(c + "-start(") == 0 for c in COLLECTIVES), hlo
+  got = compiled(*args)
+  want = _cache_attention._merge_xla(out, lse, b, n, jnp.bfloat16)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  assert tuple(got[0].sharding.spec)[:3] == ("data", "other", "model")
+  assert tuple(got[1].sharding.spec) == ("data", "model", "other")
