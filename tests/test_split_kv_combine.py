@@ -35,7 +35,8 @@ def _model(out, lse, b, n):
   lse = np.asarray(lse, np.float64).reshape((b, n) + lse.shape[1:])
   seen = np.isfinite(lse)
   top = np.where(seen, lse, -np.inf).max(axis=1)
-  weight = np.where(seen, np.exp(np.where(seen, lse, 0) - np.where(np.isfinite(top), top, 0)[:, None]), 0)
+  top0 = np.where(np.isfinite(top), top, 0)[:, None]
+  weight = np.where(seen, np.exp(np.where(seen, lse, 0) - top0), 0)
   total = weight.sum(axis=1)
   merged = np.where(total > 0, top + np.log(np.where(total > 0, total, 1)), np.inf)
   weight = np.swapaxes(weight / np.where(total > 0, total, 1)[:, None], 2, 3)[..., None]
@@ -149,7 +150,8 @@ def test_decode_builds_one_combine_call(kernels_faked, dtype):
   rows, heads = h // h_k, h_k
   assert operands == [((b * n, rows, heads, d), np.dtype(dtype)),
                       ((b * n, heads, rows), np.dtype(np.float32))]
-  assert results == [((b, rows, heads, d), np.dtype(dtype)), ((b, heads, rows), np.dtype(np.float32))]
+  assert results == [((b, rows, heads, d), np.dtype(dtype)),
+                     ((b, heads, rows), np.dtype(np.float32))]
   # vmap folds into the batch rows: one call over lanes * b rows.
   lanes = 2
   stack = lambda x: jnp.stack([x] * lanes)
@@ -214,7 +216,8 @@ def test_batch_and_head_shards_merge_on_their_devices(kernels_faked):
   got = compiled(*args)
   hlo = compiled.as_text()
   assert all(hlo.count(c + "(") + hlo.count(c + "-start(") == 0 for c in COLLECTIVES), hlo
-  want = jax.device_get(jax.jit(_decoder(splits=2))(*jax.device_put((q, k_cache, v_cache, lengths), CPUS[0])))
+  one_device = jax.device_put((q, k_cache, v_cache, lengths), CPUS[0])
+  want = jax.device_get(jax.jit(_decoder(splits=2))(*one_device))
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6)
   assert tuple(got[0].sharding.spec)[:3] == ("data", None, "model")

@@ -156,7 +156,9 @@ __global__ void __launch_bounds__(kThreads) split_kv_combine_kernel(
     for (int e = 0; e < kPerLane; ++e) y.elem[e] = from_float<T>(acc[e]);
     y.store(out + v * d + chunk * kPerLane);
   }
-  if (lane == 0) lse[(batch * heads + head) * rows + row] = total == 0.f ? INFINITY : top + __logf(total);
+  if (lane == 0) {
+    lse[(batch * heads + head) * rows + row] = total == 0.f ? INFINITY : top + __logf(total);
+  }
 }
 
 template <typename T>
