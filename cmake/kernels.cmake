@@ -3,7 +3,7 @@
 set(_sources)
 file(GLOB _common_sources CONFIGURE_DEPENDS
      "${PROJECT_SOURCE_DIR}/cuda/common/*.cu" "${PROJECT_SOURCE_DIR}/cuda/common/*.cc"
-     "${PROJECT_SOURCE_DIR}/cuda/hadamard/*.cu"
+     "${PROJECT_SOURCE_DIR}/cuda/hadamard/*.cu" "${PROJECT_SOURCE_DIR}/cuda/decode/*.cu"
      "${PROJECT_SOURCE_DIR}/cuda/quantize/*.cu" "${PROJECT_SOURCE_DIR}/cuda/ffi/*.cc"
      "${PROJECT_SOURCE_DIR}/cuda/ffi/*.cu")
 list(APPEND _sources ${_common_sources})

@@ -12,19 +12,25 @@ hold on every path: the reference computes the same split and merge as the kerne
   axis is cut into `num_splits` equal pieces (a free reshape of a contiguous cache, or of a paged
   cache's page table), the queries repeated per piece, each piece attended as its own batch row
   with its own length and diagonal, and the pieces merged: out = sum_i w_i out_i,
-  w_i = exp(lse_i - lse), lse = logsumexp_i lse_i.
+  w_i = exp(lse_i - lse), lse = logsumexp_i lse_i. On a Hopper GPU the merge is one CUDA kernel
+  (`jax_fa3_split_kv_combine`, cuda/decode/), a partitioned op (batch rows, query rows and heads
+  stay on their devices); elsewhere, and as its reference, XLA ops (`_merge_xla`).
 - Paged caches (`Pages`) whose page size is a multiple of the forward kernel's key block are read
   in place by the paged kernel (`_local_attention.forward_paged`): each K/V block is fetched
   from its page, nothing is gathered.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_fa3 import _local_attention, _partitioning
+from jax_fa3 import _ffi, _local_attention, _partitioning
+from jax_fa3._batching import fold_vmap_into_batch
 from jax_fa3._config import AttentionConfig
 from jax_fa3.attention import masked_attention
 
@@ -90,10 +96,10 @@ def num_splits(requested: int, b: int, rows: int, heads: int, capacity: int,
   return n
 
 
-def _merge(out, lse, b, n):
-  """Pieces (b * n, rows, heads, d) and their lse (b * n, heads, rows) -> the rows' out (float32)
-  and lse. An empty piece (lse +inf) weighs 0; a row whose every piece is empty gets out 0 and
-  lse +inf."""
+def _merge_xla(out, lse, b, n, out_dtype):
+  """Pieces (b * n, rows, heads, d) and their lse (b * n, heads, rows) -> the rows' out, merged in
+  float32 and rounded once to out_dtype, and lse. An empty piece (lse +inf) weighs 0; a row whose
+  every piece is empty gets out 0 and lse +inf."""
   out = out.reshape((b, n) + out.shape[1:]).astype(jnp.float32)
   lse = lse.reshape((b, n) + lse.shape[1:])
   lse = jnp.where(jnp.isposinf(lse), -jnp.inf, lse)
@@ -105,7 +111,113 @@ def _merge(out, lse, b, n):
   total = jnp.where(empty, 1.0, total)
   merged_lse = jnp.where(empty, jnp.inf, top + jnp.log(total))
   weight = jnp.swapaxes(weight / total[:, None], 2, 3)[..., None]  # (b, n, rows, heads, 1)
-  return (weight * out).sum(axis=1), merged_lse
+  return (weight * out).sum(axis=1).astype(out_dtype), merged_lse
+
+
+# The merge on the GPU: cuda/decode/split_kv_combine.h (pieces f32/bf16/f16, lse f32, d a
+# multiple of 8 up to 256; out in the pieces' dtype). Its numerics are _merge_xla's (float32,
+# one rounding) up to float32 rounding: the sums run in another order, exp is the GPU's fast one,
+# and a piece of weight 0 is skipped rather than multiplied by 0.
+COMBINE_TARGET = "jax_fa3_split_kv_combine"
+_COMBINE_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+COMBINE_MAX_HEAD_DIM = 256
+
+
+def combine_kernel_applies(out, lse, out_dtype) -> bool:
+  """Whether the merge of these pieces runs on the CUDA kernel (on a GPU; any other platform
+  lowers _merge_xla): the kernels load here, the dtypes and head dim suit it, and no Explicit
+  mesh axis is in the types (there the XLA merge partitions by itself)."""
+  d = out.shape[-1]
+  return (np.dtype(out.dtype) in _COMBINE_DTYPES and np.dtype(out_dtype) == np.dtype(out.dtype)
+          and np.dtype(lse.dtype) == np.dtype(jnp.float32) and d % 8 == 0 and d > 0
+          and d <= COMBINE_MAX_HEAD_DIM and _partitioning.explicit_mesh((out, lse)) is None
+          and _ffi.kernels_available() and _ffi.has_target(COMBINE_TARGET))
+
+
+def _combine_local(n: int):
+  """(pieces, lse) -> (out, lse) on one device: the kernel on CUDA, _merge_xla elsewhere."""
+  def kernel(out, lse):
+    rows, heads, d = out.shape[1:]
+    b = out.shape[0] // n
+    results = (jax.ShapeDtypeStruct((b, rows, heads, d), out.dtype),
+               jax.ShapeDtypeStruct((b, heads, rows), jnp.float32))
+    return tuple(_ffi.call(COMBINE_TARGET, results, out, lse, n=np.int32(n)))
+
+  def xla(out, lse):
+    return _merge_xla(out, lse, out.shape[0] // n, n, out.dtype)
+
+  return lambda out, lse: tuple(jax.lax.platform_dependent(out, lse, cuda=kernel, default=xla))
+
+
+def _divisible_axes(axes, sizes, dim) -> tuple:
+  """The longest prefix of mesh `axes` whose total size divides dim."""
+  kept = []
+  for a in axes:
+    if dim % int(np.prod([sizes[x] for x in kept + [a]])):
+      break
+    kept.append(a)
+  return tuple(kept)
+
+
+def _combine_shardings(n, mesh, arg_shapes):
+  """The (out, lse) shardings of the pieces and of the results alike: batch rows (whole rows of
+  n pieces), query rows and heads keep the mesh axes of the pieces' sharding that divide them;
+  head_dim is replicated."""
+  shape, sharding = arg_shapes[0].shape, arg_shapes[0].sharding
+  axes = (_partitioning.spec_axes(sharding.spec, 4) if isinstance(sharding, NamedSharding)
+          else ((),) * 4)
+  sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+  batch = _divisible_axes(axes[0], sizes, shape[0] // n)
+  rows = _divisible_axes(tuple(a for a in axes[1] if a not in batch), sizes, shape[1])
+  heads = _divisible_axes(tuple(a for a in axes[2] if a not in batch + rows), sizes, shape[2])
+  entry = lambda a: None if not a else a[0] if len(a) == 1 else a
+  return (NamedSharding(mesh, P(entry(batch), entry(rows), entry(heads), None)),
+          NamedSharding(mesh, P(entry(batch), entry(heads), entry(rows))))
+
+
+@functools.lru_cache(maxsize=None)
+def _combine(n: int):
+  """The merge of n pieces per row as a partitioned op (an FFI call is opaque to the SPMD
+  partitioner, which would gather its operands): each device merges its blocks. vmap folds into
+  the batch rows: the pieces' leading axis, b * n, is batch-major."""
+  from jax.experimental.custom_partitioning import custom_partitioning  # noqa: PLC0415
+
+  local = _combine_local(n)
+  cp = custom_partitioning(local)
+
+  def partition(mesh, arg_shapes, result_shape):
+    shardings = _combine_shardings(n, mesh, arg_shapes)
+    return mesh, local, shardings, shardings
+
+  def infer(mesh, arg_shapes, result_shape):
+    return _combine_shardings(n, mesh, arg_shapes)
+
+  # Shardy refuses a size-1 factor in a compound: one piece per row is the batch axis itself.
+  pieces, sizes = ("(b n)", {"n": n}) if n > 1 else ("b", {})
+  rule = f"{pieces} r h d, {pieces} h r -> b r h d, b h r"
+  try:
+    cp.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
+                     need_replication_factors=("d",), **sizes)
+  except TypeError:  # older JAX: no need_replication_factors keyword (d is still replicated)
+    try:
+      cp.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **sizes)
+    except TypeError:  # JAX 0.6: factor sizes go into the rule object, not def_partition
+      from jax._src.custom_partitioning_sharding_rule import (  # noqa: PLC0415
+          str_to_sdy_sharding_rule)
+      cp.def_partition(partition, infer_sharding_from_operands=infer,
+                       sharding_rule=str_to_sdy_sharding_rule(rule, **sizes))
+  jitted = jax.jit(cp)
+  return fold_vmap_into_batch(lambda out, lse: jitted(out, lse))
+
+
+def _merge(out, lse, b, n, out_dtype):
+  """The rows' out (b, rows, heads, d) in out_dtype and lse (b, heads, rows) from the pieces
+  (b * n, rows, heads, d) and their lse (b * n, heads, rows): the CUDA kernel where
+  `combine_kernel_applies`, else _merge_xla."""
+  if not combine_kernel_applies(out, lse, out_dtype):
+    return _merge_xla(out, lse, b, n, out_dtype)
+  _ffi.ensure_registered()
+  return _combine(n)(out, lse)
 
 
 def _forward_paged_local(q, k_pool, v_pool, table, *masks_and_cfg):
@@ -171,8 +283,7 @@ def attend(q, keys, values, lengths, cfg: AttentionConfig, return_lse: bool,
     piece_diagonal = jnp.clip(diagonal[:, None] - first, -rows, chunk).reshape(-1)
     masks = (jnp.full((b * n,), rows, jnp.int32), k_len, piece_diagonal)
     out, lse = _attend_rows(q, keys, values, masks, cfg, True)
-    out, lse = _merge(out, lse, b, n)
-    out = out.astype(q.dtype)
+    out, lse = _merge(out, lse, b, n, q.dtype)
   else:
     masks = (jnp.full((b,), rows, jnp.int32), lengths, diagonal)
     result = _attend_rows(q, keys, values, masks, cfg, return_lse)

@@ -27,9 +27,11 @@ FLASH_FWD_FP8 = "jax_fa3_flash_fwd_fp8"
 FLASH_BWD_FP8 = "jax_fa3_flash_bwd_fp8"
 ROTATE_QUANTIZE_FP8 = "jax_fa3_rotate_quantize_fp8"
 HADAMARD = "jax_fa3_hadamard"
+SPLIT_KV_COMBINE = "jax_fa3_split_kv_combine"  # the merge of split-KV decoding's pieces
 # Every target the extension registers; a test naming any other target is itself wrong.
 KNOWN_TARGETS = frozenset({FLASH_FWD, FLASH_BWD, FLASH_FWD_KEY_RANGES, FLASH_BWD_KEY_RANGES, FLASH_FWD_PAGED,
-                           FLASH_FWD_FP8, FLASH_BWD_FP8, ROTATE_QUANTIZE_FP8, HADAMARD})
+                           FLASH_FWD_FP8, FLASH_BWD_FP8, ROTATE_QUANTIZE_FP8, HADAMARD,
+                           SPLIT_KV_COMBINE})
 
 # StableHLO: `stablehlo.custom_call @name(`; compiled HLO: `custom_call_target="name"`.
 _TARGET_PATTERNS = (re.compile(r"stablehlo\.custom_call\s+@([A-Za-z0-9_.$-]+)"),

@@ -29,8 +29,8 @@ declare -A CHUNKS=(
   [large]="tests/test_gpu_large.py tests/test_gpu_int32_limits.py"
   # The backward kernel.
   [bwd]="tests/test_gpu_backward.py"
-  # The key-range kernels: lengths, segment ids, varlen, the KV cache.
-  [masked]="tests/test_gpu_masked.py"
+  # The key-range kernels: lengths, segment ids, varlen, the KV cache (and its split-KV merge).
+  [masked]="tests/test_gpu_masked.py tests/test_gpu_split_kv_combine.py"
   # What users compose the kernels with (transformations, sharding, ring), the Flax layers.
   [compose]="tests/test_gpu_compose.py tests/test_gpu_flax.py"
   # The fp8 kernels (forward, backward) and the forward's input pass.

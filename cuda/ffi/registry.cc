@@ -16,6 +16,7 @@ extern "C" const jax_fa3::FfiTarget* jax_fa3_ffi_targets(int* count) {
       {"jax_fa3_flash_fwd_fp8", reinterpret_cast<void*>(JaxFa3FlashFwdFp8)},
       {"jax_fa3_flash_bwd_fp8", reinterpret_cast<void*>(JaxFa3FlashBwdFp8)},
       {"jax_fa3_rotate_quantize_fp8", reinterpret_cast<void*>(JaxFa3RotateQuantizeFp8)},
+      {"jax_fa3_split_kv_combine", reinterpret_cast<void*>(JaxFa3SplitKvCombine)},
   };
   *count = static_cast<int>(sizeof(targets) / sizeof(targets[0]));
   return targets;
