@@ -187,7 +187,13 @@ def call(target: str, result_types, *args, **attrs):
   any argument varies over. Inside `shard_map` an ffi_call's results vary over none (JAX >=
   0.10; earlier versions carry the inputs' axes over), while the pure-JAX branch of the same
   `lax.platform_dependent` varies like its inputs: without the cast the two branches' types
-  differ and tracing fails."""
+  differ and tracing fails.
+
+  Registers the targets first where the kernels can run: a caller that chose the kernel through a
+  predicate alone (the paged cache's `paged_in_place`, say) may be the process's first kernel
+  call. Elsewhere the CUDA branch that holds this call is traced but never lowered."""
+  if kernels_available():
+    ensure_registered()
   results = jax.ffi.ffi_call(target, result_types)(*args, **attrs)
   axes = tuple(sorted(set().union(*(_varying_axes(a) for a in args))))
 

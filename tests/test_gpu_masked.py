@@ -5,7 +5,8 @@ of keys per query, cuda/common/key_ranges.h) through the public API: lengths and
 Main check, tolerance-free: a padded row's real part computes exactly what the plain kernel
 computes on that row alone (the same tiles in the same order; padded keys contribute exact zeros),
 so out, lse and, in deterministic mode, dq / dk / dv must be bit-identical to the plain kernel on
-the row's slices wherever the row's diagonal is its own bottom-right alignment (k_len - q_len:
+the row's slices (where the plain forward runs the key-range kernel's key block: see
+`_same_forward_tiles`) wherever the row's diagonal is its own bottom-right alignment (k_len - q_len:
 varlen, the KV cache, padded self-attention). The other diagonals (flash_attention with unequal
 padding under a causal or window mask) are held to the float64 oracle. Padding holds random
 finite values (and NaN where the contract allows) and every output is poisoned first, so the
@@ -45,6 +46,37 @@ def _loss_grad(fn, dout):
   def loss(q, k, v):
     return jnp.sum(fn(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _plain_forward_key_block(d, causal, s_k):
+  """Keys per block of the plain forward kernel at (d, causal, s_k), as cuda/flash_fwd/launch.h
+  picks them: d64 runs 128-key blocks for causal problems of at most 8192 keys and where the
+  160-key blocks' last block wastes more than 5% of s_k beyond what 128-key blocks waste."""
+  wide = _local_attention.FORWARD_KEY_BLOCK[_local_attention.head_dim_bucket(d)]
+  if wide != 160:
+    return wide
+  tail = lambda block: -s_k % block
+  if (causal and s_k <= 8192) or tail(160) - tail(128) > 0.05 * s_k:
+    return 128
+  return 160
+
+
+def _same_forward_tiles(d, causal, s_k):
+  """Whether the plain forward walks a row of s_k keys in the key-range kernel's blocks."""
+  return _plain_forward_key_block(d, causal, s_k) == _local_attention.FORWARD_KEY_BLOCK[
+      _local_attention.head_dim_bucket(d)]
+
+
+def _assert_equal_or_rounding_close(got, want, exact, msg):
+  """Bit for bit where both sides ran the same tiles; otherwise the two differ only by where
+  float32 partial sums were rounded (other key blocks), so within two bfloat16 ulps of the
+  row's scale (2^-7 of max |want|) and 2^-7 relative."""
+  if exact:
+    np.testing.assert_array_equal(_bits(got), _bits(want), msg)
+    return
+  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+  np.testing.assert_allclose(got, want, rtol=2.0**-7, atol=2.0**-7 * float(np.max(np.abs(want))),
+                             err_msg=msg)
 
 
 def _bits(x):
@@ -98,16 +130,22 @@ def test_padded_rows_equal_the_plain_kernel_on_each_row(d, causal, rows):
       continue
     sl = lambda x, n: x[r:r + 1, :n]
     args = (sl(q, ql), sl(k, kl), sl(v, kl))
+    exact = _same_forward_tiles(d, causal, kl)
     want_out, want_lse = run_on_kernels(
         jax.jit(lambda q, k, v: jax_fa3.flash_attention(q, k, v, return_lse=True, **kw)), *args,
         expected={FLASH_FWD})
-    np.testing.assert_array_equal(_bits(out[r:r + 1, :ql]), _bits(want_out), f"row {r}: out")
-    np.testing.assert_array_equal(lse[r:r + 1, :, :ql], np.asarray(want_lse), f"row {r}: lse")
+    _assert_equal_or_rounding_close(out[r:r + 1, :ql], want_out, exact, f"row {r}: out")
+    if exact:
+      np.testing.assert_array_equal(lse[r:r + 1, :, :ql], np.asarray(want_lse), f"row {r}: lse")
+    else:
+      np.testing.assert_allclose(lse[r:r + 1, :, :ql], np.asarray(want_lse), rtol=1e-5, atol=1e-5,
+                                 err_msg=f"row {r}: lse")
     want = run_on_kernels(_loss_grad(lambda q, k, v: jax_fa3.flash_attention(q, k, v, **kw),
                                      sl(dout, ql)), *args, expected={FLASH_FWD, FLASH_BWD})
+    # The backward reads the forward's out (D = rowsum(dO * O)): other forward tiles move it too.
     for name, got, w, n in (("dq", dq, want[0], ql), ("dk", dk, want[1], kl),
                             ("dv", dv, want[2], kl)):
-      np.testing.assert_array_equal(_bits(got[r:r + 1, :n]), _bits(w), f"row {r}: {name}")
+      _assert_equal_or_rounding_close(got[r:r + 1, :n], w, exact, f"row {r}: {name}")
 
 
 def _oracle_with_diagonals(q, k, v, q_lens, k_lens, diagonals, window, scale):
@@ -268,6 +306,36 @@ def test_cache_batch_idx_rows_are_read_in_place_bit_for_bit():
           q, kc, vc, cache_seqlens=lengths, causal=True, num_splits=1)),
       q, k_cache[rows], v_cache[rows], expected={FLASH_FWD_KEY_RANGES})
   np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+_PAGED_FIRST_CALL = """
+import jax, jax.numpy as jnp, numpy as np
+import jax_fa3
+from kernel_targets import FLASH_FWD_PAGED, run_on_kernels
+q = jax.random.normal(jax.random.PRNGKey(0), (2, 1, 8, 128), jnp.float32).astype(jnp.bfloat16)
+pool = jax.random.normal(jax.random.PRNGKey(1), (4, 256, 2, 128), jnp.float32).astype(jnp.bfloat16)
+table = jnp.asarray([[3, 0], [1, 2]], jnp.int32)
+lengths = jnp.asarray([300, 17], jnp.int32)
+out = run_on_kernels(jax.jit(lambda q, kp, vp: jax_fa3.flash_attention_with_kvcache(
+    q, kp, vp, cache_seqlens=lengths, page_table=table, num_splits=1)), q, pool, pool,
+    expected={FLASH_FWD_PAGED})
+assert np.all(np.isfinite(np.asarray(out, np.float32)))
+print("paged first call ok")
+"""
+
+
+def test_a_paged_cache_can_be_the_first_kernel_call_of_a_process():
+  # The paged path picks the kernel by a predicate that registers nothing: the FFI call itself
+  # must register the targets, or XLA finds no handler for jax_fa3_flash_fwd_paged.
+  import pathlib, subprocess, sys  # noqa: E401, PLC0415
+  skip_unless_compiled(jnp.zeros((1, 1, 1, 128), jnp.bfloat16))
+  tests = pathlib.Path(__file__).resolve().parent
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+      [str(tests), str(pathlib.Path(jax_fa3.__file__).resolve().parent.parent)])}
+  result = subprocess.run([sys.executable, "-c", _PAGED_FIRST_CALL], env=env, cwd=tests,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "paged first call ok" in result.stdout
 
 
 def test_pages_smaller_than_the_key_block_are_gathered():
