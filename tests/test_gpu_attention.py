@@ -68,12 +68,14 @@ def test_forward_head_dims_and_dtypes(d, dtype):
   _check_forward(q, k, v, dtype, causal=d % 64 == 0)
 
 
-@pytest.mark.parametrize("s_k", [2048, 2049, 8192, 8193])
-@pytest.mark.parametrize("window", [(-1, 0), (300, 0)])
-def test_forward_d64_masked_tile_choice(s_k, window):
-  # d64 causal / windowed problems up to 8192 keys run 128 x 128 tiles, longer ones 128 x 160
-  # (cuda/flash_fwd/launch.h): both sides of the threshold, and of the old one at 2048.
-  q, k, v = _inputs(s_k + window[0], 1, 300, s_k, 4, 2, 64, jnp.bfloat16)
+@pytest.mark.parametrize("s_q,s_k,window", [
+    (300, 2048, (-1, 0)), (300, 2049, (-1, 0)), (193, 2049, (300, 0)), (300, 8193, (-1, 0)),
+    (300, 1024, (-1, -1)), (193, 1025, (-1, -1)), (385, 1000, (-1, -1)), (300, 3000, (-1, -1))])
+def test_forward_d64_tile_choice(s_q, s_k, window):
+  # d64 runs 128 x 128, 128 x 160 or 192 x 128 tiles by mask and s_k (cuda/flash_fwd/launch.h):
+  # both sides of each threshold (2048 keys masked, 1024 without), with query counts that end
+  # in a partial 192-row tile (193, 300, 385).
+  q, k, v = _inputs(s_k + s_q, 1, s_q, s_k, 4, 2, 64, jnp.bfloat16)
   _check_forward(q, k, v, jnp.bfloat16, window_size=window)
 
 
@@ -100,6 +102,7 @@ def test_forward_grid_sizes(b, h):
 
 def test_forward_under_vmap_folds_into_batch():
   q, k, v = _inputs(11, 2, 130, 130, 2, 2, 128, jnp.bfloat16)
+  skip_unless_compiled(q)
   stacked = [jnp.stack([x, x[::-1]]) for x in (q, k, v)]
   fn = jax.jit(jax.vmap(lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=True)))
   assert kernel_targets(fn.lower(*stacked).compile().as_text()) == {FLASH_FWD: 1}  # one launch

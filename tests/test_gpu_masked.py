@@ -50,13 +50,14 @@ def _loss_grad(fn, dout):
 
 def _plain_forward_key_block(d, causal, s_k):
   """Keys per block of the plain forward kernel at (d, causal, s_k), as cuda/flash_fwd/launch.h
-  picks them: d64 runs 128-key blocks for causal problems of at most 8192 keys and where the
-  160-key blocks' last block wastes more than 5% of s_k beyond what 128-key blocks waste."""
+  picks them: d64 runs 128-key blocks (128 x 128 or 192 x 128 tiles) except without a mask at
+  most 1024 keys, where 160-key blocks stay unless their last block wastes more than 5% of s_k
+  beyond what 128-key blocks waste."""
   wide = _local_attention.FORWARD_KEY_BLOCK[_local_attention.head_dim_bucket(d)]
   if wide != 160:
     return wide
   tail = lambda block: -s_k % block
-  if (causal and s_k <= 8192) or tail(160) - tail(128) > 0.05 * s_k:
+  if causal or s_k > 1024 or tail(160) - tail(128) > 0.05 * s_k:
     return 128
   return 160
 

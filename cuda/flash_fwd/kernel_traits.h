@@ -14,10 +14,12 @@ namespace jax_fa3::fwd {
 
 using namespace cute;
 
-// kBlockN per head-dim bucket (kBlockM is 128 = 2 consumer warpgroups x 64 rows everywhere).
+// kBlockN per head-dim bucket (kBlockM is 128 = 2 consumer warpgroups x 64 rows, except d64's
+// 192 x 128 tiles for longer problems, launch.h).
 // Budget: Q (aliased by O) + 2 stages of K and V must fit in 227 KB (232448 B); the consumer's
 // registers hold S (kBlockN/2 fp32), O (d/2 fp32) and P (kBlockN/4 32-bit) per thread below 240.
 //   d64 : 128x160 -> 16K + 2*2*20K  =  96 KB   S 80 + O 32 regs  (+ a 16K O buffer: kEarlyQRelease)
+//         192x128 -> 24K + 2*2*16K  =  88 KB   S 64 + O 32, 160 regs (+ a 24K O buffer)
 //   d96 : 128x144 -> 24K + 2*2*27K  = 132 KB   S 72 + O 48
 //   d128: 128x128 -> 32K + 2*2*32K  = 160 KB   S 64 + O 64   (+ a 32K O buffer: kEarlyQRelease;
 //         FA3's 176 spilled ~230 B here with the overlapped mainloop: S 88 + P 44 + O 64 live)
@@ -98,10 +100,11 @@ struct ForwardTraitsBase {
 // kKeyRanges_: the masked variant, reading per-query key ranges (common/key_ranges.h) in place of
 // the window; a separate instantiation, so that the whole-row kernel's code stays free of them.
 // kBlockN_: the bucket's key block, or a narrower one for short masked problems (launch.h).
+// kBlockM_: 128 rows (two consumer warpgroups, 240 registers each) or 192 (three, 160 each).
 template <int kHeadDim_, typename Element_, bool kKeyRanges_ = false,
-          int kBlockN_ = BlockN<kHeadDim_>::value>
-struct KernelTraits : ForwardTraitsBase<kHeadDim_, Element_, 128, kBlockN_> {
-  using Base = ForwardTraitsBase<kHeadDim_, Element_, 128, kBlockN_>;
+          int kBlockN_ = BlockN<kHeadDim_>::value, int kBlockM_ = 128>
+struct KernelTraits : ForwardTraitsBase<kHeadDim_, Element_, kBlockM_, kBlockN_> {
+  using Base = ForwardTraitsBase<kHeadDim_, Element_, kBlockM_, kBlockN_>;
   using typename Base::Element, typename Base::ElementAccum;
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kNumConsumerWarpGroups, Base::kStages;
   using ElementOut = Element;  // O is written in the input type (fp8: Fp8KernelTraits)
@@ -109,6 +112,10 @@ struct KernelTraits : ForwardTraitsBase<kHeadDim_, Element_, 128, kBlockN_> {
   // Intra-warpgroup overlap keeps S(n) and P(n+1) live together (S + P/2 + O registers). Measured
   // with ptxas: 160 fragment registers fit the 240 budget, 180 spill. d192/d256 (O alone 96/128)
   // therefore run the plain order S -> softmax -> PV, where S turns into P in place.
+  // 192 rows (three warpgroups at 160 registers) fit only d64 with 128-key blocks and the
+  // overlap: S 64 + P 32 + O 32, no spill; 160-key blocks spill 284 bytes (ptxas, 2026-12-05).
+  static_assert(kBlockM == 128 || (kBlockM == 192 && kHeadDim == 64 && kBlockN <= 128),
+                "two consumer warpgroups, or three at d64 with at most 128-key blocks");
   static constexpr bool kIntraWgOverlap = kHeadDim <= 128;
   // Skipping O's rescale when no max changed (softmax.h) measured 614-618 TFLOP/s at d256 8k
   // against 632-635 without it (H200, 2026-12-01): always rescale here.
@@ -124,8 +131,9 @@ struct KernelTraits : ForwardTraitsBase<kHeadDim_, Element_, 128, kBlockN_> {
   static constexpr bool kPingPong = true;
   static constexpr bool kTailSplit = false;  // fp8/tail_split.h: fp8 kernels only
   static constexpr bool kKeyRanges = kKeyRanges_;
-  // setmaxnreg budget: 128 * (24 + 2 * 240) = 64512 <= 65536 registers per SM.
-  static constexpr int kConsumerRegs = 240;
+  // setmaxnreg budget: 128 * (24 + 2 * 240) = 64512 <= 65536 registers per SM; three
+  // warpgroups: 128 * (24 + 3 * 160) = 64512.
+  static constexpr int kConsumerRegs = kNumConsumerWarpGroups == 3 ? 160 : 240;
 
   static_assert(kBlockN % 16 == 0, "kBlockN is the K of the PV wgmma (k16 steps)");
   static_assert(kHeadDim % 16 == 0, "head dim bucket is the N of the PV wgmma and the stmatrix width");

@@ -87,21 +87,24 @@ cudaError_t launch_traits(const FlashFwdParams& p, cudaStream_t stream) {
   return launch_kernel(params, std::min(num_sms, params.scheduler.num_tiles), stream);
 }
 
-// d64 causal / windowed problems of at most kShortMaskedKeys keys run 128 x 128 tiles: with 160-key
-// blocks a Q tile's last block overshoots the diagonal by 80 keys on average, 20% of the work at
-// 1k causal (11% with 128). Measured faster with 128-key blocks up to 8k too (H100, 2026-12-05:
-// +3.0% at 4k, +2.3% at 8k); 16k keeps the 160-key blocks (not measured with 128).
-constexpr int kShortMaskedKeys = 8192;
-inline bool short_masked(const FlashFwdParams& p) {
-  return (p.window_left >= 0 || p.window_right >= 0) && p.s_k <= kShortMaskedKeys;
-}
+// d64 tiles (H100, 2026-12-05, kernel through the public API, 16k tokens, TFLOP/s, every
+// candidate in one run; benchmarks/RESULTS.md):
+// * 192 x 128 (three consumer warpgroups, intra-warpgroup overlap) from 2049 keys on, causal or
+//   not: against the 128 x 160 / 128 x 128 tiles, non-causal 4k 440 -> 480, 16k 477 -> 531;
+//   causal 4k 344 -> 377, 16k 443 -> 490. Without the overlap, or with 160- or 192-key blocks,
+//   192 rows lost 3-14%.
+// * Short causal / windowed problems (at most 2048 keys) keep 128 x 128: 192-row tiles overshoot
+//   the diagonal further (1k causal 256 with 128 rows, 239 with 192). 2k was not measured.
+// * Short problems without a mask (at most 1024 keys) keep 128 x 160, or 128 x 128 where the
+//   160-key blocks' last block wastes more than 5% of s_k beyond what 128-key blocks waste
+//   (1024 keys take 1120 with 160): 1k 402 against 401 with 192 rows.
+constexpr int kShortMaskedKeys = 2048;
+constexpr int kShortUnmaskedKeys = 1024;
+inline bool masked(const FlashFwdParams& p) { return p.window_left >= 0 || p.window_right >= 0; }
 
 // Keys computed past s_k by the last block of a row when blocks are `block` keys wide.
 constexpr int64_t tail_keys(int64_t s_k, int block) { return (s_k + block - 1) / block * block - s_k; }
 
-// Without a mask, d64's 160-key blocks also lose where their last block is mostly past s_k:
-// 1024 keys take 1120 (9% of the work wasted), 512 take 640, where 128-key blocks waste none.
-// Past kTailWasteShare of the keys more waste than 128-key blocks would have, they take over.
 constexpr double kTailWasteShare = 0.05;
 inline bool wasteful_tail(const FlashFwdParams& p, int wide_block) {
   return double(tail_keys(p.s_k, wide_block) - tail_keys(p.s_k, 128)) > kTailWasteShare * p.s_k;
@@ -114,8 +117,13 @@ cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
     return launch_traits<KernelTraits<kHeadDim, Element, true>>(p, stream);
   }
   if constexpr (kHeadDim == 64) {
-    if (short_masked(p) || wasteful_tail(p, BlockN<64>::value)) {
+    const bool short_masked = masked(p) && p.s_k <= kShortMaskedKeys;
+    const bool short_unmasked = !masked(p) && p.s_k <= kShortUnmaskedKeys;
+    if (short_masked || (short_unmasked && wasteful_tail(p, BlockN<64>::value))) {
       return launch_traits<KernelTraits<64, Element, false, 128>>(p, stream);
+    }
+    if (!short_unmasked) {
+      return launch_traits<KernelTraits<64, Element, false, 128, 192>>(p, stream);
     }
   }
   return launch_traits<KernelTraits<kHeadDim, Element, false>>(p, stream);
