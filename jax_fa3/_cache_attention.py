@@ -195,17 +195,7 @@ def _combine(n: int):
   # Shardy refuses a size-1 factor in a compound: one piece per row is the batch axis itself.
   pieces, sizes = ("(b n)", {"n": n}) if n > 1 else ("b", {})
   rule = f"{pieces} r h d, {pieces} h r -> b r h d, b h r"
-  try:
-    cp.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
-                     need_replication_factors=("d",), **sizes)
-  except TypeError:  # older JAX: no need_replication_factors keyword (d is still replicated)
-    try:
-      cp.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **sizes)
-    except TypeError:  # JAX 0.6: factor sizes go into the rule object, not def_partition
-      from jax._src.custom_partitioning_sharding_rule import (  # noqa: PLC0415
-          str_to_sdy_sharding_rule)
-      cp.def_partition(partition, infer_sharding_from_operands=infer,
-                       sharding_rule=str_to_sdy_sharding_rule(rule, **sizes))
+  _partitioning.def_partition(cp, partition, infer, rule, sizes)
   jitted = jax.jit(cp)
   return fold_vmap_into_batch(lambda out, lse: jitted(out, lse))
 

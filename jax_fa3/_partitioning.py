@@ -245,6 +245,14 @@ def _custom_partitioned(op: AttentionOp, group: int, kv_heads: int):
     return tuple(NamedSharding(mesh, plan.spec(l)) for l in op.results)
 
   rule, sizes = _sharding_rule(op, group, kv_heads)
+  def_partition(cp, partition, infer, rule, sizes)
+  jitted = jax.jit(cp, static_argnums=(num,))
+  return jitted
+
+
+def def_partition(cp, partition, infer, rule: str, sizes: dict) -> None:
+  """cp.def_partition with a Shardy rule in which the head dim `d` is never sharded, across the
+  JAX versions we support (the keywords moved)."""
   try:
     cp.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule,
                      need_replication_factors=("d",), **sizes)
@@ -252,11 +260,10 @@ def _custom_partitioned(op: AttentionOp, group: int, kv_heads: int):
     try:
       cp.def_partition(partition, infer_sharding_from_operands=infer, sharding_rule=rule, **sizes)
     except TypeError:  # JAX 0.6: factor sizes go into the rule object, not def_partition
-      from jax._src.custom_partitioning_sharding_rule import str_to_sdy_sharding_rule
+      from jax._src.custom_partitioning_sharding_rule import (  # noqa: PLC0415
+          str_to_sdy_sharding_rule)
       cp.def_partition(partition, infer_sharding_from_operands=infer,
                        sharding_rule=str_to_sdy_sharding_rule(rule, **sizes))
-  jitted = jax.jit(cp, static_argnums=(num,))
-  return jitted
 
 
 @functools.lru_cache(maxsize=None)

@@ -94,3 +94,21 @@ def run_on_kernels(fn, *args, expected):
   The same executable is checked and run, so the values a test then compares are the kernel's.
   """
   return compile_on_kernels(fn, *args, expected=expected)(*args)
+
+
+def jaxpr_equations(fn, *args) -> list:
+  """Every equation of fn's jaxpr at args, those of nested jaxprs (custom_partitioning,
+  platform_dependent's branches, scans) too: what a program calls before any lowering."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      found.append(eqn)
+      for param in eqn.params.values():
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          inner = getattr(sub, "jaxpr", sub)
+          if hasattr(inner, "eqns"):
+            walk(inner)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found

@@ -142,26 +142,22 @@ def test_vmap_folds_into_one_call():
     np.testing.assert_array_equal(np.asarray(got_lse[i]), np.asarray(want_lse))
 
 
-def test_handler_rejects_a_mismatched_lse_via_ffi_error():
-  message = ffi_error_message("""
-    out = jnp.ones((6, 4, 2, 64), jnp.bfloat16)
+@pytest.mark.parametrize("pieces,dtype,rows,lse_pieces,n,expected", [
+    # lse pieces of the wrong shape
+    (6, "bfloat16", 4, (6, 4, 2), 3,
+     ["lse_pieces must have shape (batch * n, heads, rows) = (6, 2, 4)"]),
+    # pieces not a multiple of n
+    (5, "float32", 1, (5, 2, 1), 2, ["multiple of n = 2"]),
+])
+def test_handler_rejects_bad_pieces_via_ffi_error(pieces, dtype, rows, lse_pieces, n, expected):
+  message = ffi_error_message(f"""
+    out = jnp.ones(({pieces}, {rows}, 2, 64), jnp.{dtype})
     call = jax.ffi.ffi_call("jax_fa3_split_kv_combine", (
-        jax.ShapeDtypeStruct((2, 4, 2, 64), jnp.bfloat16),
-        jax.ShapeDtypeStruct((2, 2, 4), jnp.float32)))
-    result = lambda: call(out, jnp.ones((6, 4, 2), jnp.float32), n=np.int32(3))
+        jax.ShapeDtypeStruct((2, {rows}, 2, 64), jnp.{dtype}),
+        jax.ShapeDtypeStruct((2, 2, {rows}), jnp.float32)))
+    result = lambda: call(out, jnp.ones({lse_pieces}, jnp.float32), n=np.int32({n}))
   """)
-  assert "lse_pieces must have shape (batch * n, heads, rows) = (6, 2, 4)" in message, message
-
-
-def test_handler_rejects_pieces_not_a_multiple_of_n_via_ffi_error():
-  message = ffi_error_message("""
-    out = jnp.ones((5, 1, 2, 64), jnp.float32)
-    call = jax.ffi.ffi_call("jax_fa3_split_kv_combine", (
-        jax.ShapeDtypeStruct((2, 1, 2, 64), jnp.float32),
-        jax.ShapeDtypeStruct((2, 2, 1), jnp.float32)))
-    result = lambda: call(out, jnp.ones((5, 2, 1), jnp.float32), n=np.int32(2))
-  """)
-  assert "multiple of n = 2" in message, message
+  assert all(e in message for e in expected), message
 
 
 def test_handler_rejects_a_head_dim_not_a_multiple_of_8_via_ffi_error():

@@ -13,6 +13,7 @@ import pytest
 
 import jax_fa3
 from jax_fa3 import _ffi, _key_ranges, _local_attention
+from kernel_targets import jaxpr_equations
 
 
 @pytest.fixture(autouse=True)
@@ -24,27 +25,10 @@ def _kernels_forced(monkeypatch):
   monkeypatch.setattr(_ffi, "flash_bwd_workspace_bytes", lambda *args: 1024)
 
 
-def _equations(fn, *args):
-  """Every equation of fn's jaxpr, those of nested jaxprs too."""
-  found = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      found.append(eqn)
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, (tuple, list)) else (param,):
-          inner = getattr(sub, "jaxpr", sub)
-          if hasattr(inner, "eqns"):
-            walk(inner)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return found
-
-
 def _ffi_calls(fn, *args):
   """{target: [operand avals (shape, dtype)]} of every FFI call in fn's jaxpr, nested ones too."""
   calls = {}
-  for eqn in _equations(fn, *args):
+  for eqn in jaxpr_equations(fn, *args):
     if eqn.primitive.name == "ffi_call":
       calls.setdefault(eqn.params["target_name"], []).append(
           [(tuple(v.aval.shape), np.dtype(v.aval.dtype)) for v in eqn.invars])
@@ -94,7 +78,7 @@ def test_varlen_builds_one_row_of_documents(lens_k):
   # Sequence indices are sorted, so no device-side contiguity check and fallback: a lax.cond
   # on the GPU copies its predicate to the host and stalls the launches behind it; nor a loop
   # of one launch per step (searchsorted's default method).
-  eqns = _equations(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+  eqns = jaxpr_equations(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
   platform = {v for eqn in eqns if eqn.primitive.name == "platform_index" for v in eqn.outvars}
   on_data = [eqn.primitive.name for eqn in eqns
              if eqn.primitive.name in ("while", "sort")

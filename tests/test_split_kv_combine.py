@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_fa3
 from cpu_mesh import CPUS, make_mesh
 from jax_fa3 import _cache_attention, _ffi
-from kernel_targets import SPLIT_KV_COMBINE, kernel_targets
+from kernel_targets import SPLIT_KV_COMBINE, jaxpr_equations, kernel_targets
 
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
 
@@ -99,21 +99,9 @@ def _decoder(splits=4):
 def _combine_calls(fn, *args):
   """The operand and result avals of every jax_fa3_split_kv_combine call in fn's jaxpr, the
   nested jaxprs' (custom_partitioning, platform_dependent's branches) too."""
-  calls = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "ffi_call" and eqn.params["target_name"] == SPLIT_KV_COMBINE:
-        calls.append(([(tuple(v.aval.shape), np.dtype(v.aval.dtype)) for v in eqn.invars],
-                      [(tuple(v.aval.shape), np.dtype(v.aval.dtype)) for v in eqn.outvars]))
-      for param in eqn.params.values():
-        for sub in param if isinstance(param, (tuple, list)) else (param,):
-          inner = getattr(sub, "jaxpr", sub)
-          if hasattr(inner, "eqns"):
-            walk(inner)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return calls
+  avals = lambda vs: [(tuple(v.aval.shape), np.dtype(v.aval.dtype)) for v in vs]
+  return [(avals(e.invars), avals(e.outvars)) for e in jaxpr_equations(fn, *args)
+          if e.primitive.name == "ffi_call" and e.params["target_name"] == SPLIT_KV_COMBINE]
 
 
 @pytest.mark.skipif(jax_fa3.kernels_available(), reason="the XLA merge is taken off the kernels")
