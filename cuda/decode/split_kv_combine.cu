@@ -4,6 +4,7 @@
 
 #include "common/cuda_check.h"
 #include "common/float_convert.cuh"
+#include "common/lane_vector.cuh"
 
 namespace jax_fa3 {
 namespace {
@@ -15,23 +16,6 @@ constexpr int kWarpsPerCta = kThreads / 32;
 constexpr int kPerLane = 8;
 // Pieces a lane loads before it accumulates any (its loads in flight together).
 constexpr int kUnroll = 4;
-
-template <typename T>
-union LaneVector {
-  static constexpr int kAccesses = kPerLane * int(sizeof(T)) / 16;
-  static_assert(kAccesses == 1 || kAccesses == 2);
-  uint4 access[kAccesses];
-  T elem[kPerLane];
-
-  __device__ __forceinline__ void load(const T* src) {
-#pragma unroll
-    for (int c = 0; c < kAccesses; ++c) access[c] = reinterpret_cast<const uint4*>(src)[c];
-  }
-  __device__ __forceinline__ void store(T* dst) const {
-#pragma unroll
-    for (int c = 0; c < kAccesses; ++c) reinterpret_cast<uint4*>(dst)[c] = access[c];
-  }
-};
 
 // A piece's lse as its weight sees it: +inf (no key seen) weighs exp(-inf) = 0.
 __device__ __forceinline__ float piece_lse(float lse) { return lse == INFINITY ? -INFINITY : lse; }
@@ -88,7 +72,7 @@ __global__ void __launch_bounds__(kThreads) split_kv_combine_kernel(
         out_pieces + ((batch * n * rows + row) * heads + head) * d + chunk * kPerLane;
     const int64_t step = int64_t(slots) * team_warps;  // between a slot's consecutive pieces
 
-    LaneVector<T> x[kUnroll];
+    LaneVector<T, kPerLane> x[kUnroll];
     float x_lse[kUnroll];
     auto load_batch = [&](int64_t first) {
 #pragma unroll
@@ -151,7 +135,7 @@ __global__ void __launch_bounds__(kThreads) split_kv_combine_kernel(
   }
   if (!active || member != 0) return;
   if (slot == 0) {
-    LaneVector<T> y;
+    LaneVector<T, kPerLane> y;
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e) y.elem[e] = from_float<T>(acc[e]);
     y.store(out + v * d + chunk * kPerLane);

@@ -2,35 +2,13 @@
 
 #include "common/cuda_check.h"
 #include "common/float_convert.cuh"
+#include "common/lane_vector.cuh"
 
 namespace jax_fa3 {
 namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarpsPerCta = kThreads / 32;
-
-// A lane's kPerLane consecutive elements of a row, moved as one or two vector accesses (2..32
-// bytes; rows start 16-byte aligned, see launch_typed).
-template <typename T, int kPerLane>
-union LaneVector {
-  static constexpr int kBytes = kPerLane * int(sizeof(T));
-  static_assert(kBytes == 2 || kBytes == 4 || kBytes == 8 || kBytes == 16 || kBytes == 32);
-  using Piece = std::conditional_t<
-      kBytes == 2, uint16_t,
-      std::conditional_t<kBytes == 4, uint32_t, std::conditional_t<kBytes == 8, uint2, uint4>>>;
-  static constexpr int kPieces = kBytes > 16 ? kBytes / 16 : 1;
-  Piece piece[kPieces];
-  T elem[kPerLane];
-
-  __device__ __forceinline__ void load(const T* src) {
-#pragma unroll
-    for (int c = 0; c < kPieces; ++c) piece[c] = reinterpret_cast<const Piece*>(src)[c];
-  }
-  __device__ __forceinline__ void store(T* dst) const {
-#pragma unroll
-    for (int c = 0; c < kPieces; ++c) reinterpret_cast<Piece*>(dst)[c] = piece[c];
-  }
-};
 
 // Butterfly stage h of the transform pairs elements (j, j + h) inside each block of 2h elements:
 // the lower becomes a + b, the upper a - b. Both kernels run the stages in the order h = 1, 2, 4,
