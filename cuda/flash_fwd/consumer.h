@@ -252,6 +252,21 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
       }
     };
 
+    // S = QK^T of the K/V block in stage kv.stage, issued in this warpgroup's ping-pong turn and
+    // waited for, then finished (capped, masked); frees the K stage, and Q after the tile's last S.
+    auto block_scores = [&](int n_block) {
+      Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      mbar_wait(&ss.k_full[kv.stage], kv.phase);
+      pingpong.wait_turn();
+      warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, kv.stage), tSrS);
+      pingpong.pass_turn();
+      warpgroup_wait<0>();
+      release_stage(&ss.k_empty[kv.stage]);
+      release_q_after_last_s(n_block, range);
+      finish_scores(tSrS, n_block);
+      return tSrS;
+    };
+
     Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     clear(tOrO);
     constexpr bool kReduceMaxOnJump = [] {
@@ -349,15 +364,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
       }
       // Plain order: S = QK^T; softmax; O += PV (two ping-pong turns per block where taken).
       for (; n_block >= range.n_min; --n_block) {
-        Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-        mbar_wait(&ss.k_full[kv.stage], kv.phase);
-        pingpong.wait_turn();
-        warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, kv.stage), tSrS);
-        pingpong.pass_turn();
-        warpgroup_wait<0>();
-        release_stage(&ss.k_empty[kv.stage]);
-        release_q_after_last_s(n_block, range);
-        finish_scores(tSrS, n_block);
+        Tensor tSrS = block_scores(n_block);
         if constexpr (Traits::kPipelinedPv) {
           // Each k-step of P is exponentiated, converted and handed to the tensor cores at once,
           // so the PV GEMM runs under the rest of the exp2 pass instead of after it. O must be
@@ -391,15 +398,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     } else if (n_block >= range.n_min) {
       // First block: S only (O is still zero, nothing to rescale).
       {
-        Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
-        mbar_wait(&ss.k_full[kv.stage], kv.phase);
-        pingpong.wait_turn();
-        warpgroup_gemm</*zero_init=*/true, /*wait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, kv.stage), tSrS);
-        pingpong.pass_turn();
-        warpgroup_wait<0>();
-        release_stage(&ss.k_empty[kv.stage]);
-        release_q_after_last_s(n_block, range);
-        finish_scores(tSrS, n_block);
+        Tensor tSrS = block_scores(n_block);
         softmax_update(tSrS, n_block);
         to_p(tSrS, Int<0>{}, kPvSteps);
       }
