@@ -102,9 +102,10 @@ def test_fp8_backward_layout_facts_hold_for_every_bucket(tmp_path):
 
 
 def test_forward_tile_scheduler_covers_every_tile_once(tmp_path):
-  """The forward's persistent scheduler (cuda/flash_fwd/tile_scheduler.h) with the zigzag rounds of
+  """The forward's persistent scheduler (cuda/flash_fwd/tile_scheduler.h) with the pair order of
   masked problems: tests/cuda/check_tile_scheduler.cu checks that the CTAs' tile sequences map onto
-  every (m_block, head, batch) exactly once, and that masked rounds stay longest first."""
+  every (m_block, head, batch) exactly once, that masked problems give every CTA the same work
+  within one pair, and that a round of pairs reads few heads' K/V."""
   out = _compile_and_run(tmp_path, "check_tile_scheduler", with_cute=False)
   assert out.rstrip().endswith(": ok")
 

@@ -48,7 +48,8 @@ inline cudaError_t current_device_sm_count(int* num_sms) {
 
 // The kernel on `grid` persistent CTAs, with its shared memory.
 template <class Traits>
-cudaError_t launch_kernel(const KernelParams<Traits>& params, int grid, cudaStream_t stream) {
+cudaError_t launch_kernel(KernelParams<Traits> params, int grid, cudaStream_t stream) {
+  params.scheduler.set_grid(grid);
   auto* kernel = &flash_fwd_kernel<Traits>;
   JAX_FA3_RETURN_IF_CUDA_ERROR(cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes));

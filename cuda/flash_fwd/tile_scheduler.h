@@ -33,52 +33,91 @@ struct TileScheduler {
   // a computed bound in a register (the 192-row fp8 kernel has none to spare).
   int num_split_tiles = 0;
   int num_work_items = num_tiles;
+  // With a causal or sliding-window mask, tile m_block's cost grows linearly with m_block, so
+  // tiles m and num_m_blocks - 1 - m of one (batch, head) cost the same together as any other
+  // such pair: the pair order (coord) gives each pair to one CTA, long tile first. Every CTA then
+  // carries the same work, and the pairs of one (batch, head) are consecutive, so the CTAs in
+  // flight read the K/V of a few heads, which stays in L2. Handing out m_blocks descending over
+  // all heads (longest first) balanced as well but walked every head's K/V in each round: at 1k
+  // causal d128 (16k tokens, 16 heads: 32 MB of K/V) each m_block round read it from HBM again.
+  // Without a mask all tiles cost the same and the tiles of one (batch, head) are consecutive.
+  bool paired;
+  // The pair order's constants for a grid of `grid` CTAs (set_grid, on the host, at launch).
+  int grid = 1;
+  int pairs_per_head = 0;  // num_m_blocks / 2: pairs (m, num_m_blocks - 1 - m) of one (b, h)
+  int num_head_pairs = 0;  // those pairs over all (b, h); then, with an odd num_m_blocks, the
+                           // middle tiles of two neighbouring (b, h) pair up, and one may be left
+  int round_pairs = 0;     // pairs in whole double rounds: grid * (pairs / grid)
+  int tail_pair_ctas = 0;  // CTAs that run a whole pair after them (the rest run one tile)
+
+  __host__ __device__ TileScheduler(int s_q, int block_m, int h, int b, bool masked)
+      : num_m_blocks((s_q + block_m - 1) / block_m), num_heads(h),
+        num_tiles(num_m_blocks * h * b), paired(masked) {}
 
   __host__ void set_tail_split(int split_tiles) {
     num_split_tiles = split_tiles;
     num_work_items = num_tiles + split_tiles;
   }
-  // With a causal or sliding-window mask the bottom rows (large m_block) see the most keys in
-  // bottom-right alignment, so tiles are handed out by m_block descending over all heads:
-  // longest first, short tiles fill the tail. Without a mask all tiles cost the same and the
-  // tiles of one (batch, head) are consecutive, so CTAs running together share K/V in L2.
-  bool longest_first;
 
-  __host__ __device__ TileScheduler(int s_q, int block_m, int h, int b, bool masked)
-      : num_m_blocks((s_q + block_m - 1) / block_m), num_heads(h),
-        num_tiles(num_m_blocks * h * b), longest_first(masked) {}
-
-  // Masked: odd rounds run backwards over the CTAs (zigzag), so the CTA that had the longest tile
-  // of one round gets the shortest of the next and the per-CTA sums stay even. Simulated for
-  // causal 8k on 132 CTAs (8-32 heads x batches): the busiest CTA carries 1.06-1.12x the mean
-  // work in plain order, 1.00-1.01x zigzag; the wait for it is the kernel's tail. A bijection on
-  // [0, num_tiles): the last, partial round is reversed over its own CTAs.
-  __host__ __device__ __forceinline__ int zigzag(int tile, int num_ctas) const {
-    const int round = tile / num_ctas;
-    if ((round & 1) == 0) return tile;
-    const int left = num_tiles - round * num_ctas;
-    const int in_round = left < num_ctas ? left : num_ctas;
-    return round * num_ctas + in_round - 1 - (tile - round * num_ctas);
+  // Called by the launch with the grid it launches (gridDim.x): the pair order depends on it.
+  __host__ void set_grid(int num_ctas) {
+    grid = num_ctas;
+    const int num_bh = num_tiles / num_m_blocks;
+    pairs_per_head = num_m_blocks / 2;
+    num_head_pairs = num_bh * pairs_per_head;
+    const bool odd = (num_m_blocks & 1) != 0;
+    const int pairs = num_head_pairs + (odd ? num_bh / 2 : 0);
+    const int lone_tile = odd && (num_bh & 1) != 0 ? 1 : 0;
+    round_pairs = pairs / grid * grid;
+    const int tail_tiles = 2 * (pairs - round_pairs) + lone_tile;
+    tail_pair_ctas = tail_tiles > grid ? tail_tiles - grid : 0;
   }
 
-  // Item `index` of the sequence above; num_ctas: the grid size.
-  __host__ __device__ __forceinline__ WorkItem item(int index, int num_ctas) const {
+  // Item `index` of the sequence above.
+  __host__ __device__ __forceinline__ WorkItem item(int index) const {
     const int first_split = num_tiles - num_split_tiles;
-    if (index < first_split) return {coord(index, num_ctas), kWholeTile};
+    if (index < first_split) return {coord(index), kWholeTile};
     const int piece = index - first_split;
-    return {coord(first_split + piece % num_split_tiles, num_ctas),
+    return {coord(first_split + piece % num_split_tiles),
             piece < num_split_tiles ? kHighPiece : kLowPiece};
   }
 
-  // num_ctas: the grid size (the round length of the zigzag).
-  __host__ __device__ __forceinline__ TileCoord coord(int tile, int num_ctas) const {
+  // The tile of work index `tile` (CTA i walks i, i + grid, ...).
+  __host__ __device__ __forceinline__ TileCoord coord(int tile) const {
     TileCoord c;
     int bh;
-    if (longest_first) {
-      tile = zigzag(tile, num_ctas);
-      const int num_bh = num_tiles / num_m_blocks;
-      c.m_block = num_m_blocks - 1 - tile / num_bh;
-      bh = tile % num_bh;
+    if (paired) {
+      // Whole double rounds: round 2r gives CTA i the long tile of pair r * grid + i, round
+      // 2r + 1 its short one. After them, fewer pairs than CTAs are left: CTAs
+      // [0, tail_pair_ctas) take a pair each over two rounds (indices x and grid + x past the
+      // double rounds), the other CTAs one tile each.
+      int pair, second;
+      if (tile < 2 * round_pairs) {
+        const int round = tile / grid;
+        pair = (round >> 1) * grid + (tile - round * grid);
+        second = round & 1;
+      } else {
+        const int x = tile - 2 * round_pairs;
+        if (x < tail_pair_ctas) {
+          pair = round_pairs + x;
+          second = 0;
+        } else if (x >= grid) {
+          pair = round_pairs + x - grid;
+          second = 1;
+        } else {
+          const int single = x - tail_pair_ctas;
+          pair = round_pairs + tail_pair_ctas + (single >> 1);
+          second = single & 1;
+        }
+      }
+      if (pair < num_head_pairs) {
+        bh = pair / pairs_per_head;
+        const int j = pair - bh * pairs_per_head;
+        c.m_block = second ? j : num_m_blocks - 1 - j;
+      } else {  // the middle m_block of (b, h) 2i and 2i + 1 (the lone one: second == 0)
+        bh = 2 * (pair - num_head_pairs) + second;
+        c.m_block = pairs_per_head;
+      }
     } else {
       c.m_block = tile % num_m_blocks;
       bh = tile / num_m_blocks;

@@ -1,45 +1,64 @@
 // Host check of the forward's tile scheduler (cuda/flash_fwd/tile_scheduler.h): for masked and
 // unmasked problems and grid sizes around the tile count, the tiles the CTAs walk (CTA i: tiles
-// i, i + grid, ...) map through coord() onto every (m_block, head, batch) exactly once, and with
-// a mask each round hands out m_blocks in descending order (longest first) up to the zigzag.
+// i, i + grid, ...) map through coord() onto every (m_block, head, batch) exactly once. With a
+// mask (the pair order), every CTA's work (sum of m_block + 1, a tile's K/V blocks under a
+// causal mask with 128-row and 128-key blocks) is within one pair of every other's, and each
+// round of the whole double rounds (of pairs within one head) reads the K/V of at most
+// grid / pairs_per_head + 2 heads.
 #include <algorithm>
 #include <cstdio>
+#include <set>
 #include <vector>
 
 #include "flash_fwd/tile_scheduler.h"
 
 int main() {
   int failures = 0, cases = 0;
+  // s_q, block_m, h, b: odd and even m_block counts and (b, h) counts, one m_block, fewer tiles
+  // than CTAs, the benchmark's 16k-token shapes.
   const int shapes[][4] = {{8192, 128, 16, 2}, {1000, 128, 3, 1}, {128, 128, 1, 1},
-                           {2048, 192, 8, 3}, {512, 128, 16, 64}};
+                           {2048, 192, 8, 3}, {512, 128, 16, 64}, {1024, 128, 16, 16},
+                           {4096, 128, 32, 4}, {16384, 192, 32, 1}, {1152, 128, 5, 3},
+                           {128, 128, 7, 9}, {384, 128, 33, 1}};
   for (const auto& sh : shapes) {
     for (bool masked : {false, true}) {
-      for (int grid : {1, 7, 132, 133, 264, 1000}) {
-        const jax_fa3::fwd::TileScheduler sched(sh[0], sh[1], sh[2], sh[3], masked);
+      for (int grid : {1, 2, 7, 132, 133, 264, 1000}) {
+        jax_fa3::fwd::TileScheduler sched(sh[0], sh[1], sh[2], sh[3], masked);
         if (grid > sched.num_tiles) continue;
+        sched.set_grid(grid);
+        const int nm = sched.num_m_blocks;
         std::vector<int> seen(size_t(sched.num_tiles), 0);
+        std::vector<long> work(size_t(grid), 0);
         bool ok = true;
         for (int cta = 0; cta < grid; ++cta) {
           for (int tile = cta; tile < sched.num_tiles; tile += grid) {
-            const auto c = sched.coord(tile, grid);
-            if (c.m_block < 0 || c.m_block >= sched.num_m_blocks || c.head < 0 ||
-                c.head >= sh[2] || c.batch < 0 || c.batch >= sh[3]) {
+            const auto c = sched.coord(tile);
+            if (c.m_block < 0 || c.m_block >= nm || c.head < 0 || c.head >= sh[2] ||
+                c.batch < 0 || c.batch >= sh[3]) {
               ok = false;
               continue;
             }
-            ++seen[size_t((c.batch * sh[2] + c.head) * sched.num_m_blocks + c.m_block)];
+            ++seen[size_t((c.batch * sh[2] + c.head) * nm + c.m_block)];
+            work[size_t(cta)] += c.m_block + 1;
           }
         }
         for (int s : seen) ok = ok && s == 1;
-        // Longest first: a later round never holds a longer tile than an earlier round's.
         if (masked) {
-          for (int round = 1; round * grid < sched.num_tiles; ++round) {
-            int prev_min = 1 << 30, cur_max = -1;
-            for (int t = (round - 1) * grid; t < round * grid; ++t)
-              prev_min = std::min(prev_min, sched.coord(t, grid).m_block);
-            for (int t = round * grid; t < std::min((round + 1) * grid, sched.num_tiles); ++t)
-              cur_max = std::max(cur_max, sched.coord(t, grid).m_block);
-            ok = ok && cur_max <= prev_min;
+          const auto [lo, hi] = std::minmax_element(work.begin(), work.end());
+          ok = ok && *hi - *lo <= nm + 1;
+          if (sched.pairs_per_head > 0) {
+            const int max_heads = grid / sched.pairs_per_head + 2;
+            // Rounds of pairs within one (b, h) (the middle tiles' pairs span two heads each).
+            for (int round = 0; (round / 2 + 1) * grid <= sched.num_head_pairs &&
+                                (round + 1) * grid <= 2 * sched.round_pairs;
+                 ++round) {
+              std::set<int> heads;
+              for (int t = round * grid; t < (round + 1) * grid; ++t) {
+                const auto c = sched.coord(t);
+                heads.insert(c.batch * sh[2] + c.head);
+              }
+              ok = ok && int(heads.size()) <= max_heads;
+            }
           }
         }
         ++cases;

@@ -112,8 +112,8 @@ constexpr int kFp8BlockN = 128;
 constexpr int kFp8TailSplitMaxTiles = 66;
 
 // Workspace slots the tail split may use for a call (two per split tile, one per piece): 0 with
-// a mask (tiles then differ in cost and run longest first), without an fp8 kernel for d, or with
-// a single K/V block per tile.
+// a mask (tiles then differ in cost and run in pairs, tile_scheduler.h), without an fp8 kernel
+// for d, or with a single K/V block per tile.
 inline int64_t fp8_tail_split_slots(int64_t b, int64_t s_q, int64_t s_k, int64_t h, int64_t d,
                                     bool masked) {
   const int bucket = fp8_head_dim_bucket(static_cast<int>(d));

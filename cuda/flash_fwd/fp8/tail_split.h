@@ -86,8 +86,8 @@ template <bool kTailSplit, bool kKeyRanges>
 __device__ __forceinline__ ItemBlocks item_blocks(const TileScheduler& scheduler, int index,
                                                   int block_m, int block_n,
                                                   const FlashFwdScalars& sc) {
-  const WorkItem item = kTailSplit ? scheduler.item(index, gridDim.x)
-                                   : WorkItem{scheduler.coord(index, gridDim.x), kWholeTile};
+  const WorkItem item =
+      kTailSplit ? scheduler.item(index) : WorkItem{scheduler.coord(index), kWholeTile};
   if constexpr (kKeyRanges) {
     const TileKeys keys =
         tile_keys(sc.key_covers, item.tile.batch, key_range_rows(sc.s_q) / kKeyRangeGranule,
@@ -262,7 +262,7 @@ __device__ __noinline__ void merge_if_last_piece(const Params& p, int* ticket_sm
   if (*ticket_smem != 1) return;
   __threadfence();  // the other piece's stores, published before its ticket, are seen after it
   merge_tail_tile<Traits::kHeadDim, Traits::kBlockM>(
-      p, tile, sched.coord(first_piece + tile, gridDim.x), thread_idx);
+      p, tile, sched.coord(first_piece + tile), thread_idx);
 }
 
 }  // namespace jax_fa3::fwd
