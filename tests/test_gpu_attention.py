@@ -92,12 +92,16 @@ def test_forward_gqa_softcap(h, h_k, softcap):
   _check_forward(q, k, v, jnp.bfloat16, causal=True, softcap=softcap)
 
 
-@pytest.mark.parametrize("b,h", [(1, 1), (64, 16)])
-def test_forward_grid_sizes(b, h):
+@pytest.mark.parametrize("b,h,s,causal", [(1, 1, 2048, False), (64, 16, 512, True),
+                                          (13, 17, 384, True)])
+def test_forward_grid_sizes(b, h, s, causal):
   # One tile (most SMs idle) and far more tiles than SMs (persistent scheduling wraps around).
-  q, k, v = _inputs(b + h, b, 512 if b > 1 else 2048, 512 if b > 1 else 2048, h, h, 128,
-                    jnp.bfloat16)
-  _check_forward(q, k, v, jnp.bfloat16, causal=b > 1)
+  # Causal tiles run in pairs (cuda/flash_fwd/tile_scheduler.h); 13 x 17 heads of 3 m_blocks on
+  # 132 SMs walk every branch of the pair order: whole double rounds of pairs within one head and
+  # of two heads' middle tiles, then CTAs that take a pair over the last two rounds, CTAs with
+  # one tile, and the lone middle tile.
+  q, k, v = _inputs(b + h, b, s, s, h, h, 128, jnp.bfloat16)
+  _check_forward(q, k, v, jnp.bfloat16, causal=causal)
 
 
 def test_forward_under_vmap_folds_into_batch():
