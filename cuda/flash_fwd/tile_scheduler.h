@@ -33,14 +33,18 @@ struct TileScheduler {
   // a computed bound in a register (the 192-row fp8 kernel has none to spare).
   int num_split_tiles = 0;
   int num_work_items = num_tiles;
-  // With a causal or sliding-window mask, tile m_block's cost grows linearly with m_block, so
-  // tiles m and num_m_blocks - 1 - m of one (batch, head) cost the same together as any other
-  // such pair: the pair order (coord) gives each pair to one CTA, long tile first. Every CTA then
-  // carries the same work, and the pairs of one (batch, head) are consecutive, so the CTAs in
-  // flight read the K/V of a few heads, which stays in L2. Handing out m_blocks descending over
-  // all heads (longest first) balanced as well but walked every head's K/V in each round: at 1k
-  // causal d128 (16k tokens, 16 heads: 32 MB of K/V) each m_block round read it from HBM again.
-  // Without a mask all tiles cost the same and the tiles of one (batch, head) are consecutive.
+  // With a causal mask a tile's cost grows linearly with m_block (a sliding window's grows less
+  // or not at all), so tiles m and num_m_blocks - 1 - m of one (batch, head) cost the same
+  // together as any other such pair: the pair order (coord) gives each pair to one CTA, long tile
+  // first. Every CTA then carries the same work, and the pairs of one (batch, head) are
+  // consecutive, so the CTAs in flight read the K/V of a few heads, which stays in L2. Handing
+  // out m_blocks descending over all heads (longest first) balanced as well but walked every
+  // head's K/V in each round: at 1k causal d128 (16 x 16 heads, 134 MB of K/V against a 50 MB
+  // L2) every m_block round read it from HBM again. Groups of heads that fit L2, each longest
+  // first, ran short problems up to 23% faster on an H100 but lost up to 31% on long ones: the
+  // static rounds then give the same CTAs every group's longest tiles (benchmarks/RESULTS.md,
+  // 2026-12-05). Without a mask all tiles cost the same and the tiles of one (batch, head) are
+  // consecutive.
   bool paired;
   // The pair order's constants for a grid of `grid` CTAs (set_grid, on the host, at launch).
   int grid = 1;
