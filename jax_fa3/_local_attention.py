@@ -74,10 +74,13 @@ def _window_attrs(cfg: AttentionConfig) -> dict:
               window_left=np.int32(cfg.window_left), window_right=np.int32(cfg.window_right))
 
 
-# The kernels' targets for whole rows and for per-query key ranges (the two operands of
-# _key_ranges.kernel_operands after the inputs; the ranges replace the window).
-_FORWARD_TARGETS = {False: "jax_fa3_flash_fwd", True: "jax_fa3_flash_fwd_key_ranges"}
-_BACKWARD_TARGETS = {False: "jax_fa3_flash_bwd", True: "jax_fa3_flash_bwd_key_ranges"}
+# The kernels' targets by their key operands after the inputs: none (whole rows), the row
+# bounds (one operand, _row_bounds; with the window) or per-query key ranges (the two operands of
+# _key_ranges.kernel_operands; the ranges replace the window). The backward takes no bounds.
+_FORWARD_TARGETS = {0: "jax_fa3_flash_fwd", 1: "jax_fa3_flash_fwd_row_bounds",
+                    2: "jax_fa3_flash_fwd_key_ranges"}
+_BACKWARD_TARGETS = {0: "jax_fa3_flash_bwd", 2: "jax_fa3_flash_bwd_key_ranges"}
+_KEY_RANGES = 2
 
 
 def _forward_results(q):
@@ -87,11 +90,11 @@ def _forward_results(q):
 
 
 def _forward_kernel(cfg: AttentionConfig):
-  """(q, k, v, *key_ranges) -> (out, lse) on the kernel: key_ranges empty (whole rows), or the
-  (ranges, covers) of _key_ranges.kernel_operands for the masked variant."""
-  def call(q, k, v, *key_ranges):
-    return _ffi.call(_FORWARD_TARGETS[bool(key_ranges)], _forward_results(q), q, k, v,
-                     *key_ranges, **_window_attrs(cfg))
+  """(q, k, v, *key_operands) -> (out, lse) on the kernel: key_operands empty (whole rows), the
+  row bounds, or the (ranges, covers) of _key_ranges.kernel_operands."""
+  def call(q, k, v, *key_operands):
+    return _ffi.call(_FORWARD_TARGETS[len(key_operands)], _forward_results(q), q, k, v,
+                     *key_operands, **_window_attrs(cfg))
 
   return fold_vmap_into_batch(call)
 
@@ -104,7 +107,7 @@ def _backward_kernel(cfg: AttentionConfig):
     workspace = _ffi.flash_bwd_workspace_bytes(b, h, s_q, d, cfg.deterministic)
     result_types = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v)) + (
         jax.ShapeDtypeStruct((workspace,), jnp.uint8),)
-    dq, dk, dv, _ = _ffi.call(_BACKWARD_TARGETS[bool(key_ranges)], result_types, q, k, v, out,
+    dq, dk, dv, _ = _ffi.call(_BACKWARD_TARGETS[len(key_ranges)], result_types, q, k, v, out,
                               dout, lse, *key_ranges,
                               deterministic=np.bool_(cfg.deterministic), **_window_attrs(cfg))
     return dq, dk, dv
@@ -161,7 +164,7 @@ def masked_kernels_would_run(q) -> bool:
   """Whether padded or packed attention at q's shape and dtype takes the kernels (nothing
   announced)."""
   return (masked_kernels_enabled()
-          and _kernel_unsupported_reason(_FORWARD_TARGETS[True], q) is None)
+          and _kernel_unsupported_reason(_FORWARD_TARGETS[_KEY_RANGES], q) is None)
 
 
 def _use_masked_kernel(target: str, q) -> bool:
@@ -174,12 +177,30 @@ def _use_masked_kernel(target: str, q) -> bool:
   return _use_kernel(target, q)
 
 
-def _on_key_ranges(kernel, ref, cfg: AttentionConfig, num_arrays: int, s_k: int | None = None):
+def _row_bounds(masks):
+  """The masks (q_lengths, kv_lengths, diagonals), all (b,), as the kernels' row bounds: int32
+  (b, 3), one (q_len, k_len, diag) per row (cuda/common/key_ranges.h)."""
+  return jnp.stack([jnp.asarray(m, jnp.int32) for m in masks], axis=1)
+
+
+def _takes_row_bounds(masks, forward_target: str | None) -> bool:
+  """Whether masks are one (q_len, k_len, diag) per row (no segment ids, no per-query
+  diagonals) and this build's forward_target takes them (None: a backward, which does not)."""
+  return (forward_target is not None and len(masks) == 3 and jnp.ndim(masks[2]) == 1
+          and _ffi.has_target(forward_target))
+
+
+def _on_key_ranges(kernel, ref, cfg: AttentionConfig, num_arrays: int, s_k: int | None = None,
+                   bounds_target: str | None = None):
   """The cuda branch over (*arrays, *masks), arrays[0] being q and arrays[1] k (or s_k given:
-  the keys per row, for a paged cache): `kernel(*arrays, ranges, covers)` with the masks' key
-  ranges, or, when segment ids are not contiguous runs of keys, `ref(*arrays, *masks)`."""
+  the keys per row, for a paged cache): `kernel(*arrays, bounds)` with the row bounds where
+  `bounds_target` (a forward's) takes them, else `kernel(*arrays, ranges, covers)` with the
+  masks' key ranges, or, when segment ids are not contiguous runs of keys, `ref(*arrays,
+  *masks)`."""
   def run(*arrays_and_masks):
     arrays, masks = arrays_and_masks[:num_arrays], arrays_and_masks[num_arrays:]
+    if _takes_row_bounds(masks, bounds_target):
+      return kernel(*arrays, _row_bounds(masks))
     s_q, s_k_rows = arrays[0].shape[1], arrays[1].shape[1] if s_k is None else s_k
     lo, hi, exact = _key_ranges.row_ranges(masks, s_q, s_k_rows, cfg.window_left,
                                            cfg.window_right, cfg.sorted_segments)
@@ -198,10 +219,10 @@ def forward_local_masked(q, k, v, *masks_and_cfg):
   def ref(q, k, v, *masks):
     return reference.attention_forward(q, k, v, masks=masks, **cfg.kwargs())
 
-  if not _use_masked_kernel(_FORWARD_TARGETS[True], q):
+  if not _use_masked_kernel(_FORWARD_TARGETS[_KEY_RANGES], q):
     return ref(q, k, v, *masks)
   _ffi.check_kernel_sizes(q.shape, k.shape)
-  cuda = _on_key_ranges(_forward_kernel(cfg), ref, cfg, 3)
+  cuda = _on_key_ranges(_forward_kernel(cfg), ref, cfg, 3, bounds_target=_FORWARD_TARGETS[1])
   return jax.lax.platform_dependent(q, k, v, *masks, cuda=cuda, default=ref)
 
 
@@ -214,7 +235,7 @@ def backward_local_masked(q, k, v, out, lse, dout, *masks_and_cfg, dlse=None):
                                         **cfg.kwargs())
 
   # The kernels take no lse cotangent: gradients through a returned lse use the reference.
-  if dlse is not None or not _use_masked_kernel(_BACKWARD_TARGETS[True], q):
+  if dlse is not None or not _use_masked_kernel(_BACKWARD_TARGETS[_KEY_RANGES], q):
     return ref(q, k, v, out, lse, dout, *masks)
   _ffi.check_kernel_sizes(q.shape, k.shape)
   cuda = _on_key_ranges(_backward_kernel(cfg), ref, cfg, 6)
@@ -226,6 +247,7 @@ def backward_local_masked(q, k, v, out, lse, dout, *masks_and_cfg, dlse=None):
 # block). FORWARD_KEY_BLOCK copies cuda/common/buckets.h's forward_key_block (tests/
 # test_cuda_layouts.py holds the two equal).
 PAGED_TARGET = "jax_fa3_flash_fwd_paged"
+PAGED_BOUNDS_TARGET = "jax_fa3_flash_fwd_paged_row_bounds"
 FORWARD_KEY_BLOCK = {64: 160, 96: 144, 128: 128, 192: 112, 256: 80}
 
 
@@ -255,18 +277,23 @@ def forward_paged(q, k_pool, v_pool, table, masks, cfg: AttentionConfig):
     keys, values = _gather_pages(k_pool, table), _gather_pages(v_pool, table)
     return reference.attention_forward(q, keys, values, masks=masks, **cfg.kwargs())
 
-  # Arguments in _on_key_ranges' order: the arrays (table among them), then ranges and covers.
-  def paged_call(q, k_pool, v_pool, table, ranges, covers):
-    return _ffi.call(PAGED_TARGET, _forward_results(q), q, k_pool, v_pool, ranges, covers,
+  # Arguments in _on_key_ranges' order: the arrays (table among them), then the row bounds or
+  # the ranges and covers.
+  def paged_call(q, k_pool, v_pool, table, *key_operands):
+    target = PAGED_BOUNDS_TARGET if len(key_operands) == 1 else PAGED_TARGET
+    return _ffi.call(target, _forward_results(q), q, k_pool, v_pool, *key_operands,
                      table.astype(jnp.int32), **_window_attrs(cfg))
 
-  def gathered_call(q, k_pool, v_pool, table, ranges, covers):
+  def gathered_call(q, k_pool, v_pool, table, *key_operands):
     # vmap over the pools themselves: each lane's pages gathered, on the key-range kernel.
     keys, values = _gather_pages(k_pool, table), _gather_pages(v_pool, table)
-    return _forward_kernel(cfg)(q, keys, values, ranges, covers)
+    return _forward_kernel(cfg)(q, keys, values, *key_operands)
 
-  batched = fold_vmap_into_batch(paged_call, has_batch=(True, False, False, True, True, True),
-                                 unfolded=gathered_call)
-  kernel = _on_key_ranges(batched, ref, cfg, 4, s_k=s_k)
+  def on_pages(*arrays_and_key_operands):
+    has_batch = (True, False, False) + (True,) * (len(arrays_and_key_operands) - 3)
+    return fold_vmap_into_batch(paged_call, has_batch=has_batch,
+                                unfolded=gathered_call)(*arrays_and_key_operands)
+
+  kernel = _on_key_ranges(on_pages, ref, cfg, 4, s_k=s_k, bounds_target=PAGED_BOUNDS_TARGET)
   _ffi.check_kernel_sizes(q.shape, (q.shape[0], s_k) + k_pool.shape[2:])
   return jax.lax.platform_dependent(q, k_pool, v_pool, table, *masks, cuda=kernel, default=ref)

@@ -23,6 +23,10 @@ FLASH_BWD = "jax_fa3_flash_bwd"
 FLASH_FWD_KEY_RANGES = "jax_fa3_flash_fwd_key_ranges"  # lengths, segments: a key range per query
 FLASH_BWD_KEY_RANGES = "jax_fa3_flash_bwd_key_ranges"
 FLASH_FWD_PAGED = "jax_fa3_flash_fwd_paged"  # key ranges over a paged KV cache read in place
+# Lengths and cache pieces without segment ids: one (q_len, k_len, diag) per row, on the key-range
+# kernels (the forward only).
+FLASH_FWD_ROW_BOUNDS = "jax_fa3_flash_fwd_row_bounds"
+FLASH_FWD_PAGED_ROW_BOUNDS = "jax_fa3_flash_fwd_paged_row_bounds"
 FLASH_FWD_FP8 = "jax_fa3_flash_fwd_fp8"
 FLASH_BWD_FP8 = "jax_fa3_flash_bwd_fp8"
 ROTATE_QUANTIZE_FP8 = "jax_fa3_rotate_quantize_fp8"
@@ -30,8 +34,8 @@ HADAMARD = "jax_fa3_hadamard"
 SPLIT_KV_COMBINE = "jax_fa3_split_kv_combine"  # the merge of split-KV decoding's pieces
 # Every target the extension registers; a test naming any other target is itself wrong.
 KNOWN_TARGETS = frozenset({FLASH_FWD, FLASH_BWD, FLASH_FWD_KEY_RANGES, FLASH_BWD_KEY_RANGES, FLASH_FWD_PAGED,
-                           FLASH_FWD_FP8, FLASH_BWD_FP8, ROTATE_QUANTIZE_FP8, HADAMARD,
-                           SPLIT_KV_COMBINE})
+                           FLASH_FWD_ROW_BOUNDS, FLASH_FWD_PAGED_ROW_BOUNDS, FLASH_FWD_FP8,
+                           FLASH_BWD_FP8, ROTATE_QUANTIZE_FP8, HADAMARD, SPLIT_KV_COMBINE})
 
 # StableHLO: `stablehlo.custom_call @name(`; compiled HLO: `custom_call_target="name"`.
 _TARGET_PATTERNS = (re.compile(r"stablehlo\.custom_call\s+@([A-Za-z0-9_.$-]+)"),

@@ -136,8 +136,10 @@ def test_key_range_block_logic_on_python_covers(tmp_path):
   ranges and covers jax_fa3._key_ranges builds for padded rows, cache diagonals and packed
   documents (tests/key_range_cases.py): tests/cuda/check_key_ranges.cu checks that no tile skips a
   visible block or leaves one unmasked that holds a hidden pair, and that the backward's pairing
-  of Q and K blocks is the one run per Q block that the deterministic dQ order counts."""
-  from jax_fa3 import _key_ranges  # noqa: PLC0415
+  of Q and K blocks is the one run per Q block that the deterministic dQ order counts. Where the
+  masks are one (q_len, k_len, diag) per row, the forward's row bounds must give every row the
+  same range and pass the same tile checks."""
+  from jax_fa3 import _key_ranges, _local_attention  # noqa: PLC0415
   from key_range_cases import cases  # noqa: PLC0415
   exe = _compile(tmp_path, REPO / "tests" / "cuda" / "check_key_ranges.cu", "check_key_ranges",
                  with_cute=False)
@@ -146,9 +148,12 @@ def test_key_range_block_logic_on_python_covers(tmp_path):
   for _, masks, s_q, s_k, wl, wr, _ in chosen:
     lo, hi, _ = _key_ranges.row_ranges(masks, s_q, s_k, wl, wr)
     ranges, covers = (np.asarray(x) for x in _key_ranges.kernel_operands(lo, hi, s_k))
-    lines.append(f"{s_q} {s_k} {ranges.shape[0]}")
+    by_row = len(masks) == 3 and np.ndim(masks[2]) == 1  # row bounds hold these masks
+    lines.append(f"{s_q} {s_k} {ranges.shape[0]} {int(by_row)} {wl} {wr}")
     lines.append(" ".join(map(str, ranges.ravel())))
     lines.append(" ".join(map(str, covers.ravel())))
+    if by_row:
+      lines.append(" ".join(map(str, np.asarray(_local_attention._row_bounds(masks)).ravel())))
   data = tmp_path / "cases.txt"
   data.write_text(f"{len(chosen)}\n" + "\n".join(lines) + "\n")
   out = _run_checked(exe, data)

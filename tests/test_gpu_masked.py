@@ -1,6 +1,9 @@
 """The kernels' key-range variants (jax_fa3_flash_fwd_key_ranges / _bwd_key_ranges: one interval
 of keys per query, cuda/common/key_ranges.h) through the public API: lengths and segment ids in
-`flash_attention`, `flash_attention_varlen` and a contiguous KV cache (GPU only).
+`flash_attention`, `flash_attention_varlen` and a contiguous KV cache (GPU only). Calls whose
+masks are lengths alone run the forward on row bounds (jax_fa3_flash_fwd_row_bounds, the same
+kernels deriving each row's range); every such test runs twice, on the row bounds and on the
+ranges they replace (`key_form`).
 
 Main check, tolerance-free: a padded row's real part computes exactly what the plain kernel
 computes on that row alone (the same tiles in the same order; padded keys contribute exact zeros),
@@ -27,7 +30,8 @@ from jax_fa3 import _local_attention
 from ffi_probe import ffi_error_message
 from kernel_build import skip_unless_compiled
 from kernel_targets import (FLASH_BWD, FLASH_BWD_KEY_RANGES, FLASH_FWD, FLASH_FWD_KEY_RANGES,
-                            FLASH_FWD_PAGED, compiled_text, kernel_targets, run_on_kernels)
+                            FLASH_FWD_PAGED, FLASH_FWD_PAGED_ROW_BOUNDS, FLASH_FWD_ROW_BOUNDS,
+                            compiled_text, kernel_targets, run_on_kernels)
 from oracle import attention_oracle, attention_oracle_grads, padding_mask
 
 pytestmark = pytest.mark.gpu
@@ -36,6 +40,27 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(autouse=True)
 def _masked_kernels(monkeypatch):
   monkeypatch.setenv(_local_attention.MASKED_KERNELS_ENV, "1")
+
+
+class KeyForm:
+  """The forward targets of calls whose masks are lengths alone: contiguous and paged."""
+  def __init__(self, fwd, paged):
+    self.fwd, self.paged = fwd, paged
+
+
+@pytest.fixture(params=["row_bounds", "key_ranges"])
+def key_form(request, monkeypatch):
+  """Row bounds (the default), or the per-query ranges and covers they replace (what a library
+  without the row-bound targets runs, and the form of segment ids and varlen)."""
+  if request.param == "key_ranges":
+    monkeypatch.setattr(_local_attention, "_takes_row_bounds", lambda masks, target: False)
+    # The partitioned ops' traces are cached across calls of one shape: drop them both ways, so
+    # neither form reuses the other's program.
+    jax.clear_caches()
+    yield KeyForm(FLASH_FWD_KEY_RANGES, FLASH_FWD_PAGED)
+    jax.clear_caches()
+  else:
+    yield KeyForm(FLASH_FWD_ROW_BOUNDS, FLASH_FWD_PAGED_ROW_BOUNDS)
 
 
 def _normal(seed, shape, dtype=jnp.bfloat16):
@@ -95,7 +120,7 @@ _ROWS = [
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("rows", range(len(_ROWS)))
-def test_padded_rows_equal_the_plain_kernel_on_each_row(d, causal, rows):
+def test_padded_rows_equal_the_plain_kernel_on_each_row(d, causal, rows, key_form):
   s_q, s_k, q_lens, k_lens = _ROWS[rows]
   b, h, h_k = len(q_lens), 4, 2
   q, k, v = _normal(d, (b, s_q, h, d)), _normal(d + 1, (b, s_k, h_k, d)), _normal(d + 2, (b, s_k, h_k, d))
@@ -110,10 +135,10 @@ def test_padded_rows_equal_the_plain_kernel_on_each_row(d, causal, rows):
     return jax_fa3.flash_attention(q, k, v, query_seq_lengths=q_len, key_value_seq_lengths=k_len,
                                    return_lse=return_lse, **kw)
 
-  out, lse = run_on_kernels(jax.jit(padded), q, k, v, expected={FLASH_FWD_KEY_RANGES})
+  out, lse = run_on_kernels(jax.jit(padded), q, k, v, expected={key_form.fwd})
   # Gradients of a call that returns no lse: an lse cotangent sends the backward to the reference.
   grads = run_on_kernels(_loss_grad(lambda *a: padded(*a, return_lse=False), dout), q, k, v,
-                         expected={FLASH_FWD_KEY_RANGES, FLASH_BWD_KEY_RANGES})
+                         expected={key_form.fwd, FLASH_BWD_KEY_RANGES})
   out, lse = np.asarray(out), np.asarray(lse)
   dq, dk, dv = (np.asarray(g) for g in grads)
   for r, (ql, kl) in enumerate(zip(q_lens, k_lens)):
@@ -166,7 +191,7 @@ def _oracle_with_diagonals(q, k, v, q_lens, k_lens, diagonals, window, scale):
 
 
 @pytest.mark.parametrize("window", [(-1, 0), (40, 0), (30, 70)])
-def test_unequal_padding_under_masks_matches_the_oracle(window):
+def test_unequal_padding_under_masks_matches_the_oracle(window, key_form):
   # Rows whose padding differs between queries and keys keep the arrays' alignment
   # (diagonal s_k - s_q), not their own: no plain-kernel twin, so the float64 oracle.
   b, s_q, s_k, h, d = 4, 333, 300, 4, 128
@@ -178,7 +203,7 @@ def test_unequal_padding_under_masks_matches_the_oracle(window):
           q, k, v, window_size=window, return_lse=True,
           query_seq_lengths=jnp.asarray(q_lens, jnp.int32),
           key_value_seq_lengths=jnp.asarray(k_lens, jnp.int32))), q, k, v,
-      expected={FLASH_FWD_KEY_RANGES})
+      expected={key_form.fwd})
   want_out, want_lse = _oracle_with_diagonals(q, k, v, q_lens, k_lens, [s_k - s_q] * b, window,
                                               d ** -0.5)
   got = np.asarray(out, np.float64)
@@ -235,7 +260,7 @@ def test_varlen_runs_packed_on_the_kernels(window, lens_q, lens_k):
                                  err_msg=f"{name} {r}")
 
 
-def test_kv_cache_decode_reads_the_cache_in_place_on_the_masked_kernel():
+def test_kv_cache_decode_reads_the_cache_in_place_on_the_masked_kernel(key_form):
   b, cap, h, h_k, d = 3, 1000, 8, 2, 128
   k_cache, v_cache = _normal(8, (b, cap, h_k, d)), _normal(9, (b, cap, h_k, d))
   q = _normal(10, (b, 1, h, d))
@@ -243,7 +268,7 @@ def test_kv_cache_decode_reads_the_cache_in_place_on_the_masked_kernel():
   lengths = jnp.asarray([1, 999, 517], jnp.int32)
   call = jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
       q, kc, vc, cache_seqlens=lengths, causal=True))
-  out = np.asarray(run_on_kernels(call, q, k_cache, v_cache, expected={FLASH_FWD_KEY_RANGES}))
+  out = np.asarray(run_on_kernels(call, q, k_cache, v_cache, expected={key_form.fwd}))
   for r, n in enumerate(np.asarray(lengths)):
     want = jax.jit(lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=True))(
         q[r:r + 1], k_cache[r:r + 1, :n], v_cache[r:r + 1, :n])
@@ -265,7 +290,7 @@ def _shuffled_pages(cache, page_size, seed, spare=3):
 
 @pytest.mark.parametrize("page_size", [128, 256])
 @pytest.mark.parametrize("s_q,splits", [(1, 1), (1, 4), (4, 1)])
-def test_paged_cache_is_read_in_place_bit_for_bit(page_size, s_q, splits):
+def test_paged_cache_is_read_in_place_bit_for_bit(page_size, s_q, splits, key_form):
   # d = 128: the key block is 128 keys, so pages of 128 and 256 are read in place by the paged
   # kernel (the same K/V blocks as the contiguous call, fetched from their pages): out and lse
   # equal the contiguous cache's bit for bit.
@@ -282,15 +307,15 @@ def test_paged_cache_is_read_in_place_bit_for_bit(page_size, s_q, splits):
         q, kc, vc, cache_seqlens=lengths, causal=True, num_splits=splits, return_lse=True,
         **layout))
 
-  want_out, want_lse = run_on_kernels(call(), q, k_cache, v_cache, expected={FLASH_FWD_KEY_RANGES})
+  want_out, want_lse = run_on_kernels(call(), q, k_cache, v_cache, expected={key_form.fwd})
   paged = call(page_table=table)
-  got_out, got_lse = run_on_kernels(paged, q, k_pool, v_pool, expected={FLASH_FWD_PAGED})
-  assert FLASH_FWD_KEY_RANGES not in kernel_targets(compiled_text(paged, q, k_pool, v_pool))
+  got_out, got_lse = run_on_kernels(paged, q, k_pool, v_pool, expected={key_form.paged})
+  assert key_form.fwd not in kernel_targets(compiled_text(paged, q, k_pool, v_pool))
   np.testing.assert_array_equal(_bits(got_out), _bits(want_out))
   np.testing.assert_array_equal(np.asarray(got_lse), np.asarray(want_lse))
 
 
-def test_cache_batch_idx_rows_are_read_in_place_bit_for_bit():
+def test_cache_batch_idx_rows_are_read_in_place_bit_for_bit(key_form):
   # Picked rows of a contiguous cache: one page of the whole capacity each (1024, a multiple of
   # the key block), read in place.
   b, cap, h, h_k, d = 3, 1024, 8, 2, 128
@@ -301,25 +326,25 @@ def test_cache_batch_idx_rows_are_read_in_place_bit_for_bit():
   lengths = jnp.asarray([1000, 3, 640], jnp.int32)
   picked = jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
       q, kc, vc, cache_seqlens=lengths, cache_batch_idx=rows, causal=True, num_splits=1))
-  got = run_on_kernels(picked, q, k_cache, v_cache, expected={FLASH_FWD_PAGED})
+  got = run_on_kernels(picked, q, k_cache, v_cache, expected={key_form.paged})
   want = run_on_kernels(
       jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
           q, kc, vc, cache_seqlens=lengths, causal=True, num_splits=1)),
-      q, k_cache[rows], v_cache[rows], expected={FLASH_FWD_KEY_RANGES})
+      q, k_cache[rows], v_cache[rows], expected={key_form.fwd})
   np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
 _PAGED_FIRST_CALL = """
 import jax, jax.numpy as jnp, numpy as np
 import jax_fa3
-from kernel_targets import FLASH_FWD_PAGED, run_on_kernels
+from kernel_targets import FLASH_FWD_PAGED_ROW_BOUNDS, run_on_kernels
 q = jax.random.normal(jax.random.PRNGKey(0), (2, 1, 8, 128), jnp.float32).astype(jnp.bfloat16)
 pool = jax.random.normal(jax.random.PRNGKey(1), (4, 256, 2, 128), jnp.float32).astype(jnp.bfloat16)
 table = jnp.asarray([[3, 0], [1, 2]], jnp.int32)
 lengths = jnp.asarray([300, 17], jnp.int32)
 out = run_on_kernels(jax.jit(lambda q, kp, vp: jax_fa3.flash_attention_with_kvcache(
     q, kp, vp, cache_seqlens=lengths, page_table=table, num_splits=1)), q, pool, pool,
-    expected={FLASH_FWD_PAGED})
+    expected={FLASH_FWD_PAGED_ROW_BOUNDS})
 assert np.all(np.isfinite(np.asarray(out, np.float32)))
 print("paged first call ok")
 """
@@ -327,7 +352,7 @@ print("paged first call ok")
 
 def test_a_paged_cache_can_be_the_first_kernel_call_of_a_process():
   # The paged path picks the kernel by a predicate that registers nothing: the FFI call itself
-  # must register the targets, or XLA finds no handler for jax_fa3_flash_fwd_paged.
+  # must register the targets, or XLA finds no handler for jax_fa3_flash_fwd_paged_row_bounds.
   import pathlib, subprocess, sys  # noqa: E401, PLC0415
   skip_unless_compiled(jnp.zeros((1, 1, 1, 128), jnp.bfloat16))
   tests = pathlib.Path(__file__).resolve().parent
@@ -339,7 +364,7 @@ def test_a_paged_cache_can_be_the_first_kernel_call_of_a_process():
   assert "paged first call ok" in result.stdout
 
 
-def test_pages_smaller_than_the_key_block_are_gathered():
+def test_pages_smaller_than_the_key_block_are_gathered(key_form):
   b, cap, h, h_k, d = 2, 512, 4, 4, 128
   k_cache, v_cache = _normal(80, (b, cap, h_k, d)), _normal(81, (b, cap, h_k, d))
   q = _normal(82, (b, 1, h, d))
@@ -348,8 +373,8 @@ def test_pages_smaller_than_the_key_block_are_gathered():
   lengths = jnp.asarray([512, 100], jnp.int32)
   call = jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
       q, kc, vc, cache_seqlens=lengths, page_table=table, num_splits=1))
-  got = run_on_kernels(call, q, k_pool, v_pool, expected={FLASH_FWD_KEY_RANGES})
-  assert FLASH_FWD_PAGED not in kernel_targets(compiled_text(call, q, k_pool, v_pool))
+  got = run_on_kernels(call, q, k_pool, v_pool, expected={key_form.fwd})
+  assert key_form.paged not in kernel_targets(compiled_text(call, q, k_pool, v_pool))
   want = jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
       q, kc, vc, cache_seqlens=lengths, num_splits=1))(q, k_cache, v_cache)
   np.testing.assert_array_equal(_bits(got), _bits(want))
@@ -370,7 +395,7 @@ def test_paged_handler_rejects_a_page_size_the_kernel_cannot_read():
   assert "page_size" in message and "128" in message, message
 
 
-def test_nan_in_padded_queries_and_keys_stays_out_of_real_rows():
+def test_nan_in_padded_queries_and_keys_stays_out_of_real_rows(key_form):
   # The forward's contract: padded query and key positions may hold anything (an uninitialised
   # cache); padded values must be finite (0 * NaN in the PV product is NaN, as in any dense
   # formulation).
@@ -382,14 +407,14 @@ def test_nan_in_padded_queries_and_keys_stays_out_of_real_rows():
   k_nan = k.at[0, 100:].set(jnp.nan)
   call = jax.jit(lambda q, k, v: jax_fa3.flash_attention(
       q, k, v, causal=True, query_seq_lengths=lens, key_value_seq_lengths=lens))
-  clean = np.asarray(run_on_kernels(call, q, k, v, expected={FLASH_FWD_KEY_RANGES}))
+  clean = np.asarray(run_on_kernels(call, q, k, v, expected={key_form.fwd}))
   dirty = np.asarray(call(q_nan, k_nan, v))
   np.testing.assert_array_equal(_bits(dirty), _bits(clean))
   assert not np.any(np.asarray(dirty[0, 100:], np.float32))
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_split_kv_decode_matches_the_unsplit_call(causal):
+def test_split_kv_decode_matches_the_unsplit_call(causal, key_form):
   # Split-KV (jax_fa3._cache_attention): pieces of a contiguous cache as batch rows of the masked
   # kernel, merged by lse. The pieces' outputs are rounded to bf16 before the merge, so the
   # merged out may differ from the unsplit call by a few bf16 roundings of its magnitude.
@@ -403,8 +428,8 @@ def test_split_kv_decode_matches_the_unsplit_call(causal):
     return jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
         q, kc, vc, cache_seqlens=lengths, causal=causal, num_splits=splits, return_lse=True))
 
-  out1, lse1 = run_on_kernels(call(1), q, k_cache, v_cache, expected={FLASH_FWD_KEY_RANGES})
-  out8, lse8 = run_on_kernels(call(8), q, k_cache, v_cache, expected={FLASH_FWD_KEY_RANGES})
+  out1, lse1 = run_on_kernels(call(1), q, k_cache, v_cache, expected={key_form.fwd})
+  out8, lse8 = run_on_kernels(call(8), q, k_cache, v_cache, expected={key_form.fwd})
   out1, out8 = np.asarray(out1, np.float32), np.asarray(out8, np.float32)
   np.testing.assert_allclose(out8, out1, atol=4 * 2**-8 * np.abs(out1).max(), rtol=0)
   np.testing.assert_allclose(np.asarray(lse8), np.asarray(lse1), atol=1e-4, rtol=1e-5)
@@ -500,3 +525,61 @@ def test_ffi_handlers_reject_bad_key_ranges(target, extra_args):
                             window_left=np.int32(-1), window_right=np.int32(-1){bwd_attrs})
     """)
     assert name in message, message
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_row_bounds_equal_the_key_ranges_bit_for_bit(d):
+  # The masks of tests/key_range_cases.py that are one (q_len, k_len, diag) per row (padding,
+  # diagonals past both ends, every window): the forward on row bounds and on the ranges built
+  # from the same masks run the same kernel over the same keys per row, so out and lse agree bit
+  # for bit; and with the float64 oracle within bf16's rounding.
+  from jax_fa3._config import AttentionConfig  # noqa: PLC0415
+  from key_range_cases import cases, visible  # noqa: PLC0415
+  h, h_k = 4, 2
+  skip_unless_compiled(jnp.zeros((1, 1, 1, d), jnp.bfloat16))
+  ran = 0
+  for c, (name, masks, s_q, s_k, wl, wr, _) in enumerate(cases()):
+    if len(masks) != 3 or np.ndim(masks[2]) != 1:
+      continue
+    b = len(masks[0])
+    q = _normal(3 * c, (b, s_q, h, d))
+    k, v = _normal(3 * c + 1, (b, s_k, h_k, d)), _normal(3 * c + 2, (b, s_k, h_k, d))
+    cfg = AttentionConfig(softmax_scale=d ** -0.5, window_left=wl, window_right=wr)
+    args = (q, k, v, *(jnp.asarray(m, jnp.int32) for m in masks))
+    call = jax.jit(lambda *a: _local_attention.forward_local_masked(*a, cfg))
+    got_out, got_lse = run_on_kernels(call, *args, expected={FLASH_FWD_ROW_BOUNDS})
+    with pytest.MonkeyPatch.context() as patch:
+      patch.setattr(_local_attention, "_takes_row_bounds", lambda masks, target: False)
+      jax.clear_caches()  # as in key_form
+      ranges = jax.jit(lambda *a: _local_attention.forward_local_masked(*a, cfg))
+      want_out, want_lse = run_on_kernels(ranges, *args, expected={FLASH_FWD_KEY_RANGES})
+    jax.clear_caches()
+    where = f"{name}, window ({wl}, {wr})"
+    np.testing.assert_array_equal(_bits(got_out), _bits(want_out), where)
+    np.testing.assert_array_equal(np.asarray(got_lse), np.asarray(want_lse), where)
+    mask = visible(masks, s_q, s_k, wl, wr)
+    oracle_out, _ = attention_oracle(*(np.asarray(x, np.float64) for x in (q, k, v)),
+                                     softmax_scale=d ** -0.5, mask=mask)
+    scale = max(float(np.abs(oracle_out).max()), 1e-30)
+    np.testing.assert_allclose(np.asarray(got_out, np.float64), oracle_out, atol=1e-2 * scale,
+                               rtol=0, err_msg=where)
+    ran += 1
+  assert ran >= 10
+
+
+def test_ffi_handler_rejects_bad_row_bounds():
+  # Row bounds are int32 (b, 3): a missing column, int64 and another batch are each refused by
+  # name.
+  for bounds, expected in (("jnp.zeros((2, 2), jnp.int32)", "(b, 3)"),
+                           ("np.zeros((2, 3), np.int64)", "must be int32, got int64"),
+                           ("jnp.zeros((3, 3), jnp.int32)", "(b, 3)")):
+    message = ffi_error_message(f"""
+      jax.config.update("jax_enable_x64", True)
+      q = jnp.ones((2, 8, 4, 64), jnp.bfloat16)
+      call = jax.ffi.ffi_call("jax_fa3_flash_fwd_row_bounds", (
+          jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((2, 4, 8), jnp.float32)))
+      result = lambda: call(q, q, q, {bounds}, softmax_scale=np.float32(0.125),
+                            softcap=np.float32(0), window_left=np.int32(-1),
+                            window_right=np.int32(-1))
+    """)
+    assert "row_bounds" in message and expected in message, message

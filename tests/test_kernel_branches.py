@@ -18,6 +18,7 @@ from kernel_targets import jaxpr_equations
 
 @pytest.fixture(autouse=True)
 def _kernels_forced(monkeypatch):
+  monkeypatch.setattr(_ffi, "has_target", lambda name: True)
   monkeypatch.setattr(_local_attention, "_use_kernel", lambda target, q: True)
   monkeypatch.setattr(_local_attention, "_use_masked_kernel", lambda target, q: True)
   monkeypatch.setattr(_local_attention, "masked_kernels_would_run", lambda q: True)
@@ -86,6 +87,51 @@ def test_varlen_builds_one_row_of_documents(lens_k):
   assert not on_data, on_data
 
 
+def _row_bounds_operand(b):
+  return [((b, 3), np.dtype(np.int32))]
+
+
+@pytest.mark.parametrize("kv_only", [False, True])
+def test_lengths_build_row_bounds_forward_and_key_range_backward(kv_only):
+  b, s, h, d = 3, 200, 4, 64
+  q = jnp.ones((b, s, h, d), jnp.bfloat16)
+  kv = jnp.ones((b, s, 2, d), jnp.bfloat16)
+  lengths = jnp.asarray([200, 17, 0], jnp.int32)
+
+  def loss(q, k, v):
+    out = jax_fa3.flash_attention(q, k, v, causal=True, key_value_seq_lengths=lengths,
+                                  query_seq_lengths=None if kv_only else lengths)
+    return jnp.sum(out.astype(jnp.float32))
+
+  calls = _ffi_calls(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)
+  assert "jax_fa3_flash_fwd_key_ranges" not in calls
+  (fwd,) = calls["jax_fa3_flash_fwd_row_bounds"]
+  assert fwd[:3] == [(q.shape, q.dtype), (kv.shape, kv.dtype), (kv.shape, kv.dtype)]
+  assert fwd[3:] == _row_bounds_operand(b)
+  (bwd,) = calls["jax_fa3_flash_bwd_key_ranges"]  # the backward reads ranges
+  assert bwd[6:] == _key_range_operands(b, s)
+
+
+def test_lengths_without_the_bounds_target_build_key_ranges(monkeypatch):
+  # A kernels library without the row-bound targets (built before them): the forward reads ranges.
+  monkeypatch.setattr(_ffi, "has_target", lambda name: "row_bounds" not in name)
+  b, s, h, d = 2, 130, 4, 128
+  q = jnp.ones((b, s, h, d), jnp.bfloat16)
+  lengths = jnp.asarray([130, 5], jnp.int32)
+  call = lambda q, k, v: jax_fa3.flash_attention(q, k, v, key_value_seq_lengths=lengths)
+  calls = _ffi_calls(call, q, q, q)
+  assert "jax_fa3_flash_fwd_row_bounds" not in calls
+  (fwd,) = calls["jax_fa3_flash_fwd_key_ranges"]
+  assert fwd[3:] == _key_range_operands(b, s)
+
+
+def test_row_bounds_are_the_masks_per_row():
+  masks = (jnp.asarray([3, 0], jnp.int32), jnp.asarray([7, 9], jnp.int32),
+           jnp.asarray([-4, 6], jnp.int32))
+  bounds = np.asarray(_local_attention._row_bounds(masks))
+  np.testing.assert_array_equal(bounds, [[3, 7, -4], [0, 9, 6]])
+
+
 @pytest.mark.parametrize("splits", [1, 2])
 def test_paged_cache_builds_the_paged_call(splits):
   b, h, h_k, d, page, pages = 2, 8, 2, 128, 128, 4
@@ -95,12 +141,14 @@ def test_paged_cache_builds_the_paged_call(splits):
   lengths = jnp.asarray([100, 500], jnp.int32)
   call = lambda q, kp, vp: jax_fa3.flash_attention_with_kvcache(
       q, kp, vp, cache_seqlens=lengths, page_table=table, causal=True, num_splits=splits)
-  (paged,) = _ffi_calls(call, q, pool, pool)["jax_fa3_flash_fwd_paged"]
+  calls = _ffi_calls(call, q, pool, pool)
+  assert "jax_fa3_flash_fwd_paged" not in calls
+  (paged,) = calls["jax_fa3_flash_fwd_paged_row_bounds"]
   rows = b * splits  # the split's pieces are batch rows; GQA packs 4 query heads per row
   assert paged[0] == ((rows, h // h_k, h_k, d), q.dtype)
   assert paged[1:3] == [(pool.shape, pool.dtype)] * 2
-  assert paged[3:5] == _key_range_operands(rows, h // h_k)
-  assert paged[5] == ((rows, pages // splits), np.dtype(np.int32))
+  assert paged[3:4] == _row_bounds_operand(rows)
+  assert paged[4] == ((rows, pages // splits), np.dtype(np.int32))
 
 
 def test_vmapped_paged_calls_fold_or_gather():
@@ -114,10 +162,11 @@ def test_vmapped_paged_calls_fold_or_gather():
   call = lambda q, kp, vp: jax_fa3.flash_attention_with_kvcache(
       q, kp, vp, cache_seqlens=lengths, page_table=table, num_splits=1)
   (paged,) = _ffi_calls(jax.vmap(call, in_axes=(0, None, None)), q, pool, pool)[
-      "jax_fa3_flash_fwd_paged"]
+      "jax_fa3_flash_fwd_paged_row_bounds"]
   assert paged[0][0][0] == lanes * b and paged[1][0] == pool.shape
+  assert paged[3] == ((lanes * b, 3), np.dtype(np.int32))
   pools = jnp.ones((lanes,) + pool.shape, jnp.bfloat16)
   calls = _ffi_calls(jax.vmap(call), q, pools, pools)
-  assert "jax_fa3_flash_fwd_paged" not in calls
-  (gathered,) = calls["jax_fa3_flash_fwd_key_ranges"]
+  assert "jax_fa3_flash_fwd_paged_row_bounds" not in calls
+  (gathered,) = calls["jax_fa3_flash_fwd_row_bounds"]
   assert gathered[1] == ((lanes * b, pages * page, h_k, d), pool.dtype)

@@ -151,9 +151,11 @@ def test_decode_builds_one_combine_call(kernels_faked, dtype):
 
 def test_gpu_decode_program_calls_the_combine_once(kernels_faked):
   """The decode step a Hopper GPU would run, lowered for platform CUDA (jax.export; nothing
-  runs): the merge is one jax_fa3_split_kv_combine call, vmapped or not, and no XLA merge."""
+  runs): the merge is one jax_fa3_split_kv_combine call, vmapped or not, and no XLA merge; the
+  pieces are attended by the row-bound forward, so no key ranges are built."""
   checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in
-            ("jax_fa3_flash_fwd_key_ranges", "jax_fa3_flash_fwd_paged", SPLIT_KV_COMBINE)]
+            ("jax_fa3_flash_fwd_key_ranges", "jax_fa3_flash_fwd_row_bounds",
+             "jax_fa3_flash_fwd_paged", SPLIT_KV_COMBINE)]
   q, k_cache, v_cache, lengths = _decode_case(jnp.bfloat16, d=128, seed=5)
 
   def lowered(fn, *args):
@@ -162,6 +164,8 @@ def test_gpu_decode_program_calls_the_combine_once(kernels_faked):
 
   text = lowered(_decoder(), q, k_cache, v_cache, lengths)
   assert text.count(f"@{SPLIT_KV_COMBINE}(") == 1
+  assert text.count("@jax_fa3_flash_fwd_row_bounds(") == 1
+  assert "@jax_fa3_flash_fwd_key_ranges(" not in text
   assert "stablehlo.exponential" not in text  # the XLA merge's exp: not lowered for CUDA
   stack = lambda x: jnp.stack([x, x])
   text = lowered(jax.vmap(_decoder()), *map(stack, (q, k_cache, v_cache, lengths)))

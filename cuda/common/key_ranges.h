@@ -17,7 +17,16 @@
 // range. Values are clamped to [0, s_k] where read, so no input sends a load or store out of
 // bounds; covers that break the contract above (jax_fa3 builds them from the ranges) can only
 // lose visible keys or add masked work.
+//
+// Row bounds, the forward kernels' other form of the same rule when every row's masks are one
+// (q_len, k_len, diag) triple (padded rows, cache pieces; no segment ids): int32 (b, 3), and
+// row i < q_len of batch row b sees keys j < k_len with i + diag - left <= j <= i + diag + right
+// (a window bound of -1 being unbounded), exactly jax_fa3._key_ranges.row_ranges on those masks.
+// The kernel derives each row's range and each tile's keys itself, so no ranges or covers are
+// built: a decoding call's few rows paid more for building them than for reading them.
 #pragma once
+
+#include "common/row_bounds.h"
 
 #if defined(__CUDACC__)
 #define JAX_FA3_KR_HD __host__ __device__ __forceinline__
@@ -81,6 +90,60 @@ JAX_FA3_KR_HD TileKeys tile_keys(const int* covers, int batch, int num_granules,
     if (g == granules - 1) t.hi = clamp_key(c.y, s_k);
   }
   return t;
+}
+
+// Batch row `batch`'s bounds, clamped as row_ranges clamps them: q_len to [0, s_q], k_len to
+// [0, s_k], diag to +-2 (s_q + s_k) (past that every row sees all or none of the keys, and
+// i + diag +- window stays in int32 with windows clamped to 4 (s_q + s_k): bounded_window).
+JAX_FA3_KR_HD RowBounds load_row_bounds(const int* bounds, int batch, int s_q, int s_k) {
+  const int* at = bounds + 3 * static_cast<long long>(batch);
+#if defined(__CUDA_ARCH__)
+  const int q_len = __ldg(at), k_len = __ldg(at + 1), diag = __ldg(at + 2);
+#else
+  const int q_len = at[0], k_len = at[1], diag = at[2];
+#endif
+  const int reach = 2 * (s_q + s_k);
+  return {q_len < 0 ? 0 : (q_len > s_q ? s_q : q_len), clamp_key(k_len, s_k),
+          diag < -reach ? -reach : (diag > reach ? reach : diag)};
+}
+
+// A window bound for the row-bound rule: -1 (unbounded) or at most 4 (s_q + s_k).
+JAX_FA3_KR_HD int bounded_window(long long window, long long s_q, long long s_k) {
+  if (window < 0) return -1;
+  return static_cast<int>(window < 4 * (s_q + s_k) ? window : 4 * (s_q + s_k));
+}
+
+// Row `row`'s keys under its bounds before the empty-row rule: [lo, hi) clamped to [0, s_k].
+JAX_FA3_KR_HD KeyRange raw_bounded_keys(const RowBounds& rb, int row, int s_k, int left,
+                                        int right) {
+  const int centre = row + rb.diag;
+  const int lo = left >= 0 ? centre - left : 0;
+  int hi = rb.k_len;
+  if (right >= 0 && centre + right + 1 < hi) hi = centre + right + 1;
+  return {clamp_key(lo, s_k), clamp_key(hi, s_k)};
+}
+
+// Row `row`'s keys: key_range's value for the ranges row_ranges builds from the same bounds.
+JAX_FA3_KR_HD KeyRange bounded_key_range(const RowBounds& rb, int row, int s_k, int left,
+                                         int right) {
+  const KeyRange r = raw_bounded_keys(rb, row, s_k, left, right);
+  return row < rb.q_len && r.lo < r.hi ? r : KeyRange{0, 0};
+}
+
+// The keys of the tile of rows [row_first, row_first + rows) (s_q: the problem's rows; rows past
+// it are padding). Both ends of a row's raw range grow with the row, so the tile visits
+// [lo(first row), hi(last row < q_len)) and every real row sees [lo(last real row), hi(first
+// row)); a real row past q_len or one that sees nothing leaves that range empty. The visit may
+// hold blocks that only rows seeing nothing border (masked work, never a lost key).
+JAX_FA3_KR_HD TileKeys bounded_tile_keys(const RowBounds& rb, int row_first, int rows, int s_q,
+                                         int s_k, int left, int right) {
+  const int end = row_first + rows < rb.q_len ? row_first + rows : rb.q_len;
+  if (end <= row_first) return {0, 0, 0, 0};
+  const KeyRange first = raw_bounded_keys(rb, row_first, s_k, left, right);
+  const KeyRange last = raw_bounded_keys(rb, end - 1, s_k, left, right);
+  const int real_end = row_first + rows < s_q ? row_first + rows : s_q;
+  if (real_end > end) return {first.lo, last.hi, 0, 0};
+  return {first.lo, last.hi, last.lo, first.hi};
 }
 
 // Whether keys [col0, col0 + cols) hold one that some row of the tile does not see.

@@ -65,7 +65,18 @@ ffi::Error invalid(const Parts&... parts) {
 }
 
 inline const char* dtype_label(ffi::DataType t) {
-  if (t == ffi::DataType::U8) return "uint8";
+  switch (t) {
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::U64: return "uint64";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::PRED: return "bool";
+    default: break;
+  }
   const auto d = to_dtype(t);
   return d ? dtype_name(*d) : "an unsupported dtype";
 }
@@ -135,6 +146,12 @@ inline ffi::Error check_key_ranges(const char* op, const ffi::AnyBuffer& ranges,
   return check_buffer(op, "key_covers", covers, ffi::DataType::S32,
                       "shape (b, s_q rounded up to 128 / 64, 4) =",
                       {b, s_pad / kKeyRangeGranule, 4});
+}
+
+// The forward kernels' per-row bounds (common/key_ranges.h): int32 (b, 3), (q_len, k_len, diag).
+inline ffi::Error check_row_bounds(const char* op, const ffi::AnyBuffer& bounds, int64_t b) {
+  return check_buffer(op, "row_bounds", bounds, ffi::DataType::S32,
+                      "shape (b, 3) of (q_len, k_len, diag) =", {b, 3});
 }
 
 // Returns from the enclosing handler with the ffi::Error of `expr` when it is a failure.

@@ -1,6 +1,7 @@
 // XLA FFI handlers of the FlashAttention-3 forward kernels: "jax_fa3_flash_fwd" (whole rows),
-// "jax_fa3_flash_fwd_key_ranges" (a key range per query) and "jax_fa3_flash_fwd_paged" (key
-// ranges over a paged KV cache read in place).
+// "jax_fa3_flash_fwd_key_ranges" (a key range per query), "jax_fa3_flash_fwd_row_bounds" (one
+// (q_len, k_len, diag) per batch row) and "jax_fa3_flash_fwd_paged" /
+// "jax_fa3_flash_fwd_paged_row_bounds" (the same over a paged KV cache read in place).
 // Validates every argument again (Python already did) and dispatches to the compiled bucket.
 #include <cstdint>
 #include <utility>
@@ -26,14 +27,21 @@ ffi::Error check_compiled(const char* op, int64_t d, DType dtype) {
                  "; rebuild with it in JAX_FA3_HEAD_DIMS / JAX_FA3_DTYPES");
 }
 
-// The parameters every forward handler fills alike (key_ranges, key_covers: nullptr for whole
-// rows); a paged call adds its pages.
+// Which keys a masked call's rows see (common/key_ranges.h): per-query ranges and their covers,
+// or per-row bounds; all null for whole rows.
+struct KeyOperands {
+  const ffi::AnyBuffer* ranges = nullptr;
+  const ffi::AnyBuffer* covers = nullptr;
+  const ffi::AnyBuffer* bounds = nullptr;
+};
+
+// The parameters every forward handler fills alike; a paged call adds its pages.
 FlashFwdParams forward_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                               const ffi::AnyBuffer& v, ffi::Result<ffi::AnyBuffer>& out,
                               ffi::Result<ffi::Buffer<ffi::F32>>& lse,
                               const ffi_util::AttentionDims& a, DType dtype, float softmax_scale,
                               float softcap, int32_t window_left, int32_t window_right,
-                              const ffi::AnyBuffer* key_ranges, const ffi::AnyBuffer* key_covers) {
+                              const KeyOperands& keys) {
   FlashFwdParams params{};
   params.q = q.untyped_data();
   params.k = k.untyped_data();
@@ -46,39 +54,42 @@ FlashFwdParams forward_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   params.softcap = softcap;
   params.window_left = window_left;
   params.window_right = window_right;
-  if (key_ranges != nullptr) {
-    params.key_ranges = static_cast<const int*>(key_ranges->untyped_data());
-    params.key_covers = static_cast<const int*>(key_covers->untyped_data());
+  if (keys.ranges != nullptr) {
+    params.key_ranges = static_cast<const int*>(keys.ranges->untyped_data());
+    params.key_covers = static_cast<const int*>(keys.covers->untyped_data());
+  }
+  if (keys.bounds != nullptr) {
+    params.row_bounds = static_cast<const int*>(keys.bounds->untyped_data());
   }
   return params;
 }
 
 // The checks every forward handler makes once its inputs are read into `a` and `dtype`: the
-// results' shapes and dtype, the attributes, the key ranges (when given) and that this build
+// results' shapes and dtype, the attributes, the key operands (when given) and that this build
 // has the kernel.
 ffi::Error check_forward_call(const char* op, ffi::Result<ffi::AnyBuffer>& out,
                               ffi::Result<ffi::Buffer<ffi::F32>>& lse,
                               const ffi_util::AttentionDims& a, DType dtype,
                               ffi::DataType element_type, float softmax_scale, float softcap,
-                              int32_t window_left, int32_t window_right,
-                              const ffi::AnyBuffer* key_ranges, const ffi::AnyBuffer* key_covers) {
+                              int32_t window_left, int32_t window_right, const KeyOperands& keys) {
   JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(op, "out", *out, element_type, "q's shape",
                                                      {a.b, a.s_q, a.h, a.d}));
   JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_shape(op, "lse", "shape (b, h, s_q) =",
                                                     lse->dimensions(), {a.b, a.h, a.s_q}));
   JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_attention_scalars(op, softmax_scale, softcap,
                                                                 window_left, window_right));
-  if (key_ranges != nullptr) {
+  if (keys.ranges != nullptr) {
     JAX_FA3_RETURN_IF_FFI_ERROR(
-        ffi_util::check_key_ranges(op, *key_ranges, *key_covers, a.b, a.s_q));
+        ffi_util::check_key_ranges(op, *keys.ranges, *keys.covers, a.b, a.s_q));
+  }
+  if (keys.bounds != nullptr) {
+    JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_row_bounds(op, *keys.bounds, a.b));
   }
   return check_compiled(op, a.d, dtype);
 }
 
-// key_ranges, key_covers: the masked variant's (common/key_ranges.h), else nullptr.
 ffi::Error flash_fwd_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                          ffi::AnyBuffer v, const ffi::AnyBuffer* key_ranges,
-                          const ffi::AnyBuffer* key_covers,
+                          ffi::AnyBuffer v, const KeyOperands& keys,
                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                           float softmax_scale, float softcap, int32_t window_left,
                           int32_t window_right) {
@@ -87,9 +98,9 @@ ffi::Error flash_fwd_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q,
   JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::read_16bit_attention(op, q, k, v, a, dtype));
   JAX_FA3_RETURN_IF_FFI_ERROR(check_forward_call(op, out, lse, a, dtype, q.element_type(),
                                                  softmax_scale, softcap, window_left,
-                                                 window_right, key_ranges, key_covers));
+                                                 window_right, keys));
   FlashFwdParams params = forward_params(q, k, v, out, lse, a, dtype, softmax_scale, softcap,
-                                         window_left, window_right, key_ranges, key_covers);
+                                         window_left, window_right, keys);
   return ffi_util::poison_and_launch(
       op, stream, [&] { return launch_flash_fwd(params, stream); }, out, lse);
 }
@@ -98,7 +109,7 @@ ffi::Error flash_fwd_whole(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
                            ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
                            ffi::Result<ffi::Buffer<ffi::F32>> lse, float softmax_scale,
                            float softcap, int32_t window_left, int32_t window_right) {
-  return flash_fwd_impl("flash_fwd", stream, q, k, v, nullptr, nullptr, out, lse, softmax_scale,
+  return flash_fwd_impl("flash_fwd", stream, q, k, v, KeyOperands{}, out, lse, softmax_scale,
                         softcap, window_left, window_right);
 }
 
@@ -108,21 +119,32 @@ ffi::Error flash_fwd_key_ranges(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
                                 ffi::AnyBuffer key_covers, ffi::Result<ffi::AnyBuffer> out,
                                 ffi::Result<ffi::Buffer<ffi::F32>> lse, float softmax_scale,
                                 float softcap, int32_t window_left, int32_t window_right) {
-  return flash_fwd_impl("flash_fwd_key_ranges", stream, q, k, v, &key_ranges, &key_covers, out,
-                        lse, softmax_scale, softcap, window_left, window_right);
+  return flash_fwd_impl("flash_fwd_key_ranges", stream, q, k, v,
+                        KeyOperands{&key_ranges, &key_covers, nullptr}, out, lse, softmax_scale,
+                        softcap, window_left, window_right);
+}
+
+// The bounds and the window together give each row's keys.
+ffi::Error flash_fwd_row_bounds(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                ffi::AnyBuffer v, ffi::AnyBuffer row_bounds,
+                                ffi::Result<ffi::AnyBuffer> out,
+                                ffi::Result<ffi::Buffer<ffi::F32>> lse, float softmax_scale,
+                                float softcap, int32_t window_left, int32_t window_right) {
+  return flash_fwd_impl("flash_fwd_row_bounds", stream, q, k, v,
+                        KeyOperands{nullptr, nullptr, &row_bounds}, out, lse, softmax_scale,
+                        softcap, window_left, window_right);
 }
 
 // A paged KV cache read in place, on the key-range kernel: k_pool and v_pool (num_pages,
 // page_size, h_k, d), kv_pages int32 (b, pages_per_seq); row r's logical key j is row
 // j % page_size of page kv_pages[r, j / page_size] (clamped into the pool when read), and the
-// key ranges are over the logical s_k = pages_per_seq * page_size keys.
-ffi::Error flash_fwd_paged(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_pool,
-                           ffi::AnyBuffer v_pool, ffi::AnyBuffer key_ranges,
-                           ffi::AnyBuffer key_covers, ffi::AnyBuffer kv_pages,
-                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                           float softmax_scale, float softcap, int32_t window_left,
-                           int32_t window_right) {
-  const char* op = "flash_fwd_paged";
+// key ranges or row bounds are over the logical s_k = pages_per_seq * page_size keys.
+ffi::Error flash_fwd_paged_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q,
+                                ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
+                                const KeyOperands& keys, ffi::AnyBuffer kv_pages,
+                                ffi::Result<ffi::AnyBuffer> out,
+                                ffi::Result<ffi::Buffer<ffi::F32>> lse, float softmax_scale,
+                                float softcap, int32_t window_left, int32_t window_right) {
   const auto qd = q.dimensions();
   const auto kd = k_pool.dimensions();
   const auto pd = kv_pages.dimensions();
@@ -160,7 +182,7 @@ ffi::Error flash_fwd_paged(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
   JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_head_dim(op, a.d));
   JAX_FA3_RETURN_IF_FFI_ERROR(check_forward_call(op, out, lse, a, dtype, q.element_type(),
                                                  softmax_scale, softcap, window_left,
-                                                 window_right, &key_ranges, &key_covers));
+                                                 window_right, keys));
   const int bucket = head_dim_bucket(static_cast<int>(a.d));
   if (page_size % forward_key_block(bucket) != 0) {
     return invalid(op, ": page_size must be a multiple of ", forward_key_block(bucket),
@@ -168,8 +190,7 @@ ffi::Error flash_fwd_paged(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
   }
 
   FlashFwdParams params = forward_params(q, k_pool, v_pool, out, lse, a, dtype, softmax_scale,
-                                         softcap, window_left, window_right, &key_ranges,
-                                         &key_covers);
+                                         softcap, window_left, window_right, keys);
   params.kv_pages = static_cast<const int*>(kv_pages.untyped_data());
   params.pages_per_seq = static_cast<int>(pages_per_seq);
   params.page_size = static_cast<int>(page_size);
@@ -178,14 +199,37 @@ ffi::Error flash_fwd_paged(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer
       op, stream, [&] { return launch_flash_fwd(params, stream); }, out, lse);
 }
 
+ffi::Error flash_fwd_paged(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_pool,
+                           ffi::AnyBuffer v_pool, ffi::AnyBuffer key_ranges,
+                           ffi::AnyBuffer key_covers, ffi::AnyBuffer kv_pages,
+                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                           float softmax_scale, float softcap, int32_t window_left,
+                           int32_t window_right) {
+  return flash_fwd_paged_impl("flash_fwd_paged", stream, q, k_pool, v_pool,
+                              KeyOperands{&key_ranges, &key_covers, nullptr}, kv_pages, out, lse,
+                              softmax_scale, softcap, window_left, window_right);
+}
+
+ffi::Error flash_fwd_paged_row_bounds(cudaStream_t stream, ffi::AnyBuffer q,
+                                      ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
+                                      ffi::AnyBuffer row_bounds, ffi::AnyBuffer kv_pages,
+                                      ffi::Result<ffi::AnyBuffer> out,
+                                      ffi::Result<ffi::Buffer<ffi::F32>> lse, float softmax_scale,
+                                      float softcap, int32_t window_left, int32_t window_right) {
+  return flash_fwd_paged_impl("flash_fwd_paged_row_bounds", stream, q, k_pool, v_pool,
+                              KeyOperands{nullptr, nullptr, &row_bounds}, kv_pages, out, lse,
+                              softmax_scale, softcap, window_left, window_right);
+}
+
 }  // namespace
 }  // namespace jax_fa3
 
 namespace jax_fa3 {
 namespace {
 
-// The forward handlers bind q, k, v (the key-range one then key_ranges and key_covers,
-// common/key_ranges.h; the paged one those and kv_pages), then these results and attributes.
+// The forward handlers bind q, k, v (the key-range ones then key_ranges and key_covers, or
+// row_bounds, common/key_ranges.h; the paged ones then kv_pages), then these results and
+// attributes.
 template <class Binding>
 auto bind_fwd_results_and_attrs(Binding inputs) {
   return std::move(inputs).template Ret<ffi::AnyBuffer>()
@@ -215,6 +259,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
                                             .Arg<xla::ffi::AnyBuffer>()
                                             .Arg<xla::ffi::AnyBuffer>()
                                             .Arg<xla::ffi::AnyBuffer>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFa3FlashFwdPagedRowBounds, jax_fa3::flash_fwd_paged_row_bounds,
+    jax_fa3::bind_fwd_results_and_attrs(
+        jax_fa3::bind_qkv().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFa3FlashFwdRowBounds, jax_fa3::flash_fwd_row_bounds,
+    jax_fa3::bind_fwd_results_and_attrs(jax_fa3::bind_qkv().Arg<xla::ffi::AnyBuffer>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFa3FlashFwdKeyRanges, jax_fa3::flash_fwd_key_ranges,

@@ -180,13 +180,22 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     const BlockRange range = piece.visit;
     const int row_g = c.m_block * kBlockM + 64 * (thread_idx / 128) + fc.row0;
     // Key ranges: this thread's two rows' keys, read once per tile (the array has whole tiles of
-    // rows, so no row test).
+    // rows, so no row test), or derived from the batch row's bounds.
     [[maybe_unused]] KeyRange row_keys[2];
     if constexpr (Traits::kKeyRanges) {
-      const int s_pad = key_range_rows(sc.s_q);
+      if (sc.row_bounds != nullptr) {
+        const RowBounds rb = load_row_bounds(sc.row_bounds, c.batch, sc.s_q, sc.s_k);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        row_keys[r] = key_range(sc.key_ranges, c.batch, s_pad, row_g + 8 * r, sc.s_k);
+        for (int r = 0; r < 2; ++r) {
+          row_keys[r] = bounded_key_range(rb, row_g + 8 * r, sc.s_k, sc.window_left,
+                                          sc.window_right);
+        }
+      } else {
+        const int s_pad = key_range_rows(sc.s_q);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          row_keys[r] = key_range(sc.key_ranges, c.batch, s_pad, row_g + 8 * r, sc.s_k);
+        }
       }
     }
     // fp8 only: per-row exp2 scales (softmax_scale * log2 e * q_scale of the row's block), this

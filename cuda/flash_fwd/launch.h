@@ -9,6 +9,7 @@
 #include <cute/tensor.hpp>
 
 #include "common/cuda_check.h"
+#include "common/key_ranges.h"
 #include "common/window.h"
 #include "flash_fwd/flash_fwd.h"
 #include "flash_fwd/kernel_traits.h"
@@ -33,11 +34,17 @@ inline FlashFwdScalars make_scalars(const FlashFwdParams& p) {
   s.softcap_pre = p.softcap > 0.f ? p.softmax_scale / p.softcap : 0.f;
   // With softcap the scale is applied inside tanh; the capped score is in natural units.
   s.scale_log2 = p.softcap > 0.f ? kLog2e : p.softmax_scale * kLog2e;
-  s.window_left = clamp_window_past_reach(p.window_left, p.s_q, p.s_k);
-  s.window_right = clamp_window_past_reach(p.window_right, p.s_q, p.s_k);
+  // Row bounds carry their own diagonals, whose windows clamp as the Python rule clamps them;
+  // whole rows' diagonal is s_k - s_q (common/window.h).
+  const bool bounds = p.row_bounds != nullptr;
+  s.window_left = bounds ? bounded_window(p.window_left, p.s_q, p.s_k)
+                         : clamp_window_past_reach(p.window_left, p.s_q, p.s_k);
+  s.window_right = bounds ? bounded_window(p.window_right, p.s_q, p.s_k)
+                          : clamp_window_past_reach(p.window_right, p.s_q, p.s_k);
   s.lse = p.lse;
   s.key_ranges = p.key_ranges;
   s.key_covers = p.key_covers;
+  s.row_bounds = p.row_bounds;
   s.kv_pages = nullptr;  // set by launch_traits for a paged cache
   s.pages_per_seq = s.blocks_per_page = s.num_pages = 0;
   return s;
@@ -113,7 +120,7 @@ inline bool wasteful_tail(const FlashFwdParams& p, int wide_block) {
 template <int kHeadDim, DType kDType>
 cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
-  if (p.key_ranges != nullptr) {
+  if (p.key_ranges != nullptr || p.row_bounds != nullptr) {
     return launch_traits<KernelTraits<kHeadDim, Element, true>>(p, stream);
   }
   if constexpr (kHeadDim == 64) {

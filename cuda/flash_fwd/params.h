@@ -28,6 +28,9 @@ struct FlashFwdParams {
   // under the window above. 16-bit kernels only; the ranges replace the window.
   const int* key_ranges = nullptr;
   const int* key_covers = nullptr;
+  // Or per-row bounds (b, 3): (q_len, k_len, diag) (common/key_ranges.h), on the same kernels:
+  // each row's range comes from its bounds and the window above, nothing else is read.
+  const int* row_bounds = nullptr;
   // A paged KV cache read in place (key ranges only): k and v are pools (num_pages, page_size,
   // h_k, d), and batch row r's logical key j lives in page kv_pages[r, j / page_size] at row
   // j % page_size; s_k = pages_per_seq * page_size. page_size is a multiple of the kernel's key
@@ -51,6 +54,7 @@ struct FlashFwdScalars {
   float* lse;
   const int* key_ranges;  // FlashFwdParams::key_ranges
   const int* key_covers;  // FlashFwdParams::key_covers
+  const int* row_bounds;  // FlashFwdParams::row_bounds (then window_* are bounded_window's)
   const int* kv_pages;    // FlashFwdParams::kv_pages
   int pages_per_seq;
   int blocks_per_page;    // page_size / kBlockN

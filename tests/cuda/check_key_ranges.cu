@@ -1,13 +1,16 @@
 // Host check of the key-range kernels' block logic (common/key_ranges.h, flash_fwd/block_info.h,
 // flash_bwd/block_range.h) on ranges and covers built by jax_fa3._key_ranges (the test writes
-// them to the file named by argv[1]: a case count, then per case "s_q s_k b", the ranges
-// (b, s_pad, 2) and the covers (b, s_pad / 64, 4)), against the per-element rule
+// them to the file named by argv[1]: a case count, then per case "s_q s_k b bounds left right",
+// the ranges (b, s_pad, 2), the covers (b, s_pad / 64, 4) and, when bounds is 1, the row bounds
+// (b, 3) of the same masks under window (left, right)), against the per-element rule
 // lo_i <= j < hi_i, for every kernel tile shape:
 //   forward:  a tile's key_blocks hold every block with a visible pair of its rows, and a block
 //             keys_need_mask passes holds no hidden pair of a real row;
 //   backward: key_range_m_range pairs K block n with every Q block holding a visible pair; the K
 //             blocks paired with a Q block form one run from key_range_n_first (the deterministic
-//             dQ order counts from there); a 32- or 64-key piece keys_need_mask passes has no hidden pair.
+//             dQ order counts from there); a 32- or 64-key piece keys_need_mask passes has no hidden pair;
+//   row bounds: bounded_key_range gives every row exactly its range, and bounded_tile_keys passes
+//             the forward's two checks for 64-, 128- and 192-row tiles.
 #include <algorithm>
 #include <cstdio>
 #include <vector>
@@ -18,8 +21,8 @@
 namespace {
 
 struct Case {
-  int s_q, s_k, b, s_pad, granules;
-  std::vector<int> ranges, covers;
+  int s_q, s_k, b, s_pad, granules, has_bounds, left, right;
+  std::vector<int> ranges, covers, bounds;
   bool sees(int batch, int i, int j) const {
     const int* r = &ranges[2 * (batch * s_pad + i)];
     return i < s_q && j < s_k && r[0] <= j && j < r[1];
@@ -60,15 +63,53 @@ int main(int argc, char** argv) {
   };
   for (int c = 0; c < num_cases; ++c) {
     Case k{};
-    if (std::fscanf(in, "%d %d %d", &k.s_q, &k.s_k, &k.b) != 3) return 2;
+    if (std::fscanf(in, "%d %d %d %d %d %d", &k.s_q, &k.s_k, &k.b, &k.has_bounds, &k.left,
+                    &k.right) != 6)
+      return 2;
     k.s_pad = jax_fa3::key_range_rows(k.s_q);
     k.granules = k.s_pad / jax_fa3::kKeyRangeGranule;
     k.ranges.resize(size_t(2) * k.b * k.s_pad);
     k.covers.resize(size_t(4) * k.b * k.granules);
+    k.bounds.resize(k.has_bounds ? size_t(3) * k.b : 0);
     for (int& x : k.ranges)
       if (std::fscanf(in, "%d", &x) != 1) return 2;
     for (int& x : k.covers)
       if (std::fscanf(in, "%d", &x) != 1) return 2;
+    for (int& x : k.bounds)
+      if (std::fscanf(in, "%d", &x) != 1) return 2;
+    const int left = jax_fa3::bounded_window(k.left, k.s_q, k.s_k);
+    const int right = jax_fa3::bounded_window(k.right, k.s_q, k.s_k);
+    for (int batch = 0; batch < k.b && k.has_bounds; ++batch) {
+      const auto rb = jax_fa3::load_row_bounds(k.bounds.data(), batch, k.s_q, k.s_k);
+      for (int i = 0; i < k.s_pad; ++i) {
+        ++checked;
+        const auto r = jax_fa3::bounded_key_range(rb, i, k.s_k, left, right);
+        const int* want = &k.ranges[2 * (batch * k.s_pad + i)];
+        if (r.lo != want[0] || r.hi != want[1])
+          fail(c, "bounded_key_range differs from the ranges", 1, 1, batch, i, r.lo);
+      }
+      for (int bm : {64, 128, 192}) {
+        for (int bn : {64, 80, 128, 176}) {
+          const int num_n = (k.s_k + bn - 1) / bn;
+          for (int m = 0; m * bm < k.s_q; ++m) {
+            ++checked;
+            const auto keys =
+                jax_fa3::bounded_tile_keys(rb, m * bm, bm, k.s_q, k.s_k, left, right);
+            const auto range = jax_fa3::fwd::key_blocks(keys, bn);
+            if (range.n_max > num_n)
+              fail(c, "bounds: key_blocks past the last block", bm, bn, batch, m, range.n_max);
+            for (int n = 0; n < num_n; ++n) {
+              const bool visited = n >= range.n_min && n < range.n_max;
+              if (!visited && k.any_visible(batch, m * bm, (m + 1) * bm, n * bn, (n + 1) * bn))
+                fail(c, "bounds: key_blocks misses a visible block", bm, bn, batch, m, n);
+              if (visited && !jax_fa3::keys_need_mask(keys, n * bn, bn) &&
+                  !k.all_visible(batch, m * bm, (m + 1) * bm, n * bn, (n + 1) * bn))
+                fail(c, "bounds: keys_need_mask false on a hidden pair", bm, bn, batch, m, n);
+            }
+          }
+        }
+      }
+    }
     for (int batch = 0; batch < k.b; ++batch) {
       // Forward: 128-row tiles, the 16-bit kernels' key blocks.
       for (int bn : {64, 80, 112, 128, 176}) {

@@ -74,7 +74,8 @@ __device__ __forceinline__ int num_work_items(const TileScheduler& scheduler) {
 }
 
 // Work item `index` of the sequence (producer and consumers walk the same one): its tile, its
-// keys (kKeyRanges: the tile's TileKeys from sc.key_covers, common/key_ranges.h; else unused) and
+// keys (kKeyRanges: the tile's TileKeys from sc.key_covers or sc.row_bounds, common/key_ranges.h;
+// else unused) and
 // the K/V blocks it visits (block_range or key_blocks, cut to the piece). Without the split, the
 // whole tile.
 struct ItemBlocks {
@@ -90,9 +91,13 @@ __device__ __forceinline__ ItemBlocks item_blocks(const TileScheduler& scheduler
       kTailSplit ? scheduler.item(index) : WorkItem{scheduler.coord(index), kWholeTile};
   if constexpr (kKeyRanges) {
     const TileKeys keys =
-        tile_keys(sc.key_covers, item.tile.batch, key_range_rows(sc.s_q) / kKeyRangeGranule,
-                  item.tile.m_block * (block_m / kKeyRangeGranule), block_m / kKeyRangeGranule,
-                  sc.s_k);
+        sc.row_bounds != nullptr
+            ? bounded_tile_keys(load_row_bounds(sc.row_bounds, item.tile.batch, sc.s_q, sc.s_k),
+                                item.tile.m_block * block_m, block_m, sc.s_q, sc.s_k,
+                                sc.window_left, sc.window_right)
+            : tile_keys(sc.key_covers, item.tile.batch, key_range_rows(sc.s_q) / kKeyRangeGranule,
+                        item.tile.m_block * (block_m / kKeyRangeGranule),
+                        block_m / kKeyRangeGranule, sc.s_k);
     return {item.tile, keys, piece_range(key_blocks(keys, block_n), item.piece)};
   } else {
     const BlockRange whole = block_range<false>(item.tile.m_block, block_m, block_n,
