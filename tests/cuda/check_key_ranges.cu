@@ -13,6 +13,7 @@
 //             the forward's two checks for 64-, 128- and 192-row tiles.
 #include <algorithm>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "flash_bwd/block_range.h"
@@ -56,10 +57,28 @@ int main(int argc, char** argv) {
   }
   int num_cases = 0, checked = 0, failures = 0;
   if (std::fscanf(in, "%d", &num_cases) != 1) return 2;
-  auto fail = [&](int c, const char* what, int bm, int bn, int batch, int a, int b) {
+  auto fail = [&](int c, const std::string& what, int bm, int bn, int batch, int a, int b) {
     if (++failures <= 20)
-      std::printf("FAIL case %d: %s (tile %dx%d, batch row %d, at %d, %d)\n", c, what, bm, bn,
-                  batch, a, b);
+      std::printf("FAIL case %d: %s (tile %dx%d, batch row %d, at %d, %d)\n", c, what.c_str(),
+                  bm, bn, batch, a, b);
+  };
+  // A forward tile (rows [m * bm, (m + 1) * bm), bn-key blocks) visiting `keys`: no visible
+  // block skipped, none left unmasked that holds a hidden pair of a real row.
+  auto check_forward_tile = [&](int c, const Case& k, const std::string& form,
+                                const jax_fa3::TileKeys& keys, int bm, int bn, int batch, int m) {
+    ++checked;
+    const int num_n = (k.s_k + bn - 1) / bn;
+    const auto range = jax_fa3::fwd::key_blocks(keys, bn);
+    if (range.n_max > num_n) fail(c, form + "key_blocks past the last block", bm, bn, batch, m,
+                                  range.n_max);
+    for (int n = 0; n < num_n; ++n) {
+      const bool visited = n >= range.n_min && n < range.n_max;
+      if (!visited && k.any_visible(batch, m * bm, (m + 1) * bm, n * bn, (n + 1) * bn))
+        fail(c, form + "key_blocks misses a visible block", bm, bn, batch, m, n);
+      if (visited && !jax_fa3::keys_need_mask(keys, n * bn, bn) &&
+          !k.all_visible(batch, m * bm, (m + 1) * bm, n * bn, (n + 1) * bn))
+        fail(c, form + "keys_need_mask false on a hidden pair", bm, bn, batch, m, n);
+    }
   };
   for (int c = 0; c < num_cases; ++c) {
     Case k{};
@@ -90,22 +109,11 @@ int main(int argc, char** argv) {
       }
       for (int bm : {64, 128, 192}) {
         for (int bn : {64, 80, 128, 176}) {
-          const int num_n = (k.s_k + bn - 1) / bn;
           for (int m = 0; m * bm < k.s_q; ++m) {
-            ++checked;
-            const auto keys =
-                jax_fa3::bounded_tile_keys(rb, m * bm, bm, k.s_q, k.s_k, left, right);
-            const auto range = jax_fa3::fwd::key_blocks(keys, bn);
-            if (range.n_max > num_n)
-              fail(c, "bounds: key_blocks past the last block", bm, bn, batch, m, range.n_max);
-            for (int n = 0; n < num_n; ++n) {
-              const bool visited = n >= range.n_min && n < range.n_max;
-              if (!visited && k.any_visible(batch, m * bm, (m + 1) * bm, n * bn, (n + 1) * bn))
-                fail(c, "bounds: key_blocks misses a visible block", bm, bn, batch, m, n);
-              if (visited && !jax_fa3::keys_need_mask(keys, n * bn, bn) &&
-                  !k.all_visible(batch, m * bm, (m + 1) * bm, n * bn, (n + 1) * bn))
-                fail(c, "bounds: keys_need_mask false on a hidden pair", bm, bn, batch, m, n);
-            }
+            check_forward_tile(
+                c, k, "bounds: ",
+                jax_fa3::bounded_tile_keys(rb, m * bm, bm, k.s_q, k.s_k, left, right), bm, bn,
+                batch, m);
           }
         }
       }
@@ -114,22 +122,11 @@ int main(int argc, char** argv) {
       // Forward: 128-row tiles, the 16-bit kernels' key blocks.
       for (int bn : {64, 80, 112, 128, 176}) {
         const int bm = 128, gpt = bm / jax_fa3::kKeyRangeGranule;
-        const int num_n = (k.s_k + bn - 1) / bn;
         for (int m = 0; m * bm < k.s_q; ++m) {
-          ++checked;
-          const auto keys = jax_fa3::tile_keys(k.covers.data(), batch, k.granules, m * gpt, gpt,
-                                               k.s_k);
-          const auto range = jax_fa3::fwd::key_blocks(keys, bn);
-          if (range.n_max > num_n)
-            fail(c, "fwd key_blocks past the last block", bm, bn, batch, m, range.n_max);
-          for (int n = 0; n < num_n; ++n) {
-            const bool visited = n >= range.n_min && n < range.n_max;
-            if (!visited && k.any_visible(batch, m * bm, (m + 1) * bm, n * bn, (n + 1) * bn))
-              fail(c, "fwd key_blocks misses a visible block", bm, bn, batch, m, n);
-            if (visited && !jax_fa3::keys_need_mask(keys, n * bn, bn) &&
-                !k.all_visible(batch, m * bm, (m + 1) * bm, n * bn, (n + 1) * bn))
-              fail(c, "fwd keys_need_mask false on a hidden pair", bm, bn, batch, m, n);
-          }
+          check_forward_tile(
+              c, k, "fwd ",
+              jax_fa3::tile_keys(k.covers.data(), batch, k.granules, m * gpt, gpt, k.s_k), bm,
+              bn, batch, m);
         }
       }
       // Backward: (block_m, block_n) of the d = 64, 96/128, 192/256 kernels.
