@@ -206,7 +206,6 @@ def _merge(out, lse, b, n, out_dtype):
   `combine_kernel_applies`, else _merge_xla."""
   if not combine_kernel_applies(out, lse, out_dtype):
     return _merge_xla(out, lse, b, n, out_dtype)
-  _ffi.ensure_registered()
   return _combine(n)(out, lse)
 
 

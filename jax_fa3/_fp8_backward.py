@@ -125,7 +125,6 @@ def fp8_backward(q8, k8, v, out, lse, dout, q_rows, k_rows, cfg: Fp8Config, dlse
                        "slower than backward=\"bf16\" (float32 einsums over query tiles)")
     return emulate(*args)
   _ffi.check_kernel_sizes(q8.shape, k8.shape)
-  _ffi.ensure_registered()
   if dlse is None:  # platform_dependent takes arrays only
     drop = lambda f: lambda *a: f(*a, None)
     return lax.platform_dependent(*args[:-1], cuda=drop(functools.partial(_on_kernel, cfg=cfg)),

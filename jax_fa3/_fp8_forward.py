@@ -28,7 +28,6 @@ KERNEL_HEAD_DIM_BUCKETS = (64, 128, 256)  # cuda/flash_fwd/fp8/flash_fwd_fp8.h k
 
 def kernel_forward(cfg: Fp8Config, v_transposed: bool = False):
   """The kernel call; v_transposed: v is already in its layout (b, h_k, d, s_pad)."""
-  _ffi.ensure_registered()
   att = cfg.attention
 
   def call(q8, k8, v8, q_scale, k_scale, v_scale, v_mean):
@@ -87,7 +86,6 @@ def _fp8_forward_jit(q8, k8, v8, q_scale, k_scale, v_scale, v_mean, cfg: Fp8Conf
                        f"JAX: {reason}")
     return emulate(q8, k8, v8, q_scale, k_scale, v_scale, v_mean)
   _ffi.check_kernel_sizes(q8.shape, k8.shape)
-  _ffi.ensure_registered()
   return lax.platform_dependent(q8, k8, v8, q_scale, k_scale, v_scale, v_mean,
                                 cuda=kernel_forward(cfg), default=emulate)
 
@@ -137,7 +135,6 @@ def _float_path(q, k, v, signs, cfg: Fp8Config):
 
 @functools.partial(jax.jit, static_argnums=(4,))
 def _kernel_from_float_jit(q, k, v, signs, cfg: Fp8Config):
-  _ffi.ensure_registered()
   return lax.platform_dependent(q, k, v, signs,
                                 cuda=functools.partial(_kernel_from_float, cfg=cfg),
                                 default=functools.partial(_float_path, cfg=cfg))

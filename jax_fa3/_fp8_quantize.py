@@ -181,7 +181,6 @@ def fused_rotate_quantize(rotate: bool, block_size: int | None, keys_transposed:
   """
   assert not (keys_transposed or centre) or block_size is None
   assert not (centre and rotate)
-  _ffi.ensure_registered()
 
   def xla_lane(x, s, m):
     if centre:
@@ -240,7 +239,6 @@ def rotate_quantize(x, signs32, rotate: bool, block_size, mean=None):
   xla = lambda x, s, m: xla_rotate_quantize(x, s, rotate, block_size, m)
   if not fused_quantize_supported(x, block_size):
     return xla(x, signs32, mean)
-  _ffi.ensure_registered()
   fused = fused_rotate_quantize(rotate, block_size)
   return lax.platform_dependent(x, signs32, mean, cuda=lambda *a: fused(*a)[:2], default=xla)
 

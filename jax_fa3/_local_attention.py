@@ -65,7 +65,6 @@ def _use_kernel(target: str, q) -> bool:
   if reason is not None:
     _ffi.announce_once(reason, f"jax_fa3: using the pure-JAX attention path: {reason}")
     return False
-  _ffi.ensure_registered()
   return True
 
 

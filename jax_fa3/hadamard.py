@@ -116,7 +116,6 @@ def hadamard_transform(x, *, signs=None, inverse=False, out_dtype=None):
                        f"got {getattr(signs, 'shape', type(signs).__name__)}")
   if np.dtype(x.dtype) not in _KERNEL_DTYPES or d > MAX_KERNEL_DIM or not _ffi.kernels_available():
     return hadamard_reference(x, signs, inverse, out_dtype)
-  _ffi.ensure_registered()
   apply_signs = signs is not None
   signs32 = (jnp.asarray(signs, jnp.float32) if apply_signs else jnp.ones((d,), jnp.float32))
 
