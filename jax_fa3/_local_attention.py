@@ -79,7 +79,7 @@ def _window_attrs(cfg: AttentionConfig) -> dict:
 _FORWARD_TARGETS = {0: "jax_fa3_flash_fwd", 1: "jax_fa3_flash_fwd_row_bounds",
                     2: "jax_fa3_flash_fwd_key_ranges"}
 _BACKWARD_TARGETS = {0: "jax_fa3_flash_bwd", 2: "jax_fa3_flash_bwd_key_ranges"}
-_KEY_RANGES = 2
+_ROW_BOUNDS, _KEY_RANGES = 1, 2  # keys of the two dicts: the masked variants' operand counts
 
 
 def _forward_results(q):
@@ -221,7 +221,8 @@ def forward_local_masked(q, k, v, *masks_and_cfg):
   if not _use_masked_kernel(_FORWARD_TARGETS[_KEY_RANGES], q):
     return ref(q, k, v, *masks)
   _ffi.check_kernel_sizes(q.shape, k.shape)
-  cuda = _on_key_ranges(_forward_kernel(cfg), ref, cfg, 3, bounds_target=_FORWARD_TARGETS[1])
+  cuda = _on_key_ranges(_forward_kernel(cfg), ref, cfg, 3,
+                        bounds_target=_FORWARD_TARGETS[_ROW_BOUNDS])
   return jax.lax.platform_dependent(q, k, v, *masks, cuda=cuda, default=ref)
 
 
