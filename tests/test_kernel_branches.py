@@ -114,15 +114,24 @@ def test_lengths_build_row_bounds_forward_and_key_range_backward(kv_only):
 
 def test_lengths_without_the_bounds_target_build_key_ranges(monkeypatch):
   # A kernels library without the row-bound targets (built before them): the forward reads ranges.
-  monkeypatch.setattr(_ffi, "has_target", lambda name: "row_bounds" not in name)
+  # The choice is made when the partitioned op is traced, and its traces are cached per shape:
+  # cleared on both sides, so that neither form reuses the other's.
   b, s, h, d = 2, 130, 4, 128
   q = jnp.ones((b, s, h, d), jnp.bfloat16)
   lengths = jnp.asarray([130, 5], jnp.int32)
   call = lambda q, k, v: jax_fa3.flash_attention(q, k, v, key_value_seq_lengths=lengths)
-  calls = _ffi_calls(call, q, q, q)
+  jax.clear_caches()
+  try:
+    with monkeypatch.context() as patch:
+      patch.setattr(_ffi, "has_target", lambda name: "row_bounds" not in name)
+      calls = _ffi_calls(call, q, q, q)
+  finally:
+    jax.clear_caches()
   assert "jax_fa3_flash_fwd_row_bounds" not in calls
   (fwd,) = calls["jax_fa3_flash_fwd_key_ranges"]
   assert fwd[3:] == _key_range_operands(b, s)
+  # And with the targets, the same shapes take the row bounds.
+  assert "jax_fa3_flash_fwd_row_bounds" in _ffi_calls(call, q, q, q)
 
 
 def test_row_bounds_are_the_masks_per_row():
