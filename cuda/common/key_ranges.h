@@ -103,7 +103,7 @@ JAX_FA3_KR_HD RowBounds load_row_bounds(const int* bounds, int batch, int s_q, i
   const int q_len = at[0], k_len = at[1], diag = at[2];
 #endif
   const int reach = 2 * (s_q + s_k);
-  return {q_len < 0 ? 0 : (q_len > s_q ? s_q : q_len), clamp_key(k_len, s_k),
+  return {clamp_key(q_len, s_q), clamp_key(k_len, s_k),
           diag < -reach ? -reach : (diag > reach ? reach : diag)};
 }
 
