@@ -93,13 +93,14 @@ def test_forward_gqa_softcap(h, h_k, softcap):
 
 
 @pytest.mark.parametrize("b,h,s,causal", [(1, 1, 2048, False), (64, 16, 512, True),
-                                          (13, 17, 384, True)])
+                                          (13, 17, 384, True), (3, 5, 2560, True)])
 def test_forward_grid_sizes(b, h, s, causal):
   # One tile (most SMs idle) and far more tiles than SMs (persistent scheduling wraps around).
   # Causal tiles run in pairs (cuda/flash_fwd/tile_scheduler.h); 13 x 17 heads of 3 m_blocks on
   # 132 SMs walk every branch of the pair order: whole double rounds of pairs within one head and
   # of two heads' middle tiles, then CTAs that take a pair over the last two rounds, CTAs with
-  # one tile, and the lone middle tile.
+  # one tile, and the lone middle tile. 3 x 5 heads of 20 m_blocks leave 18 pairs for a tail of
+  # single tiles on 132 SMs, which then takes central pairs (three heads give two, the rest one).
   q, k, v = _inputs(b + h, b, s, s, h, h, 128, jnp.bfloat16)
   _check_forward(q, k, v, jnp.bfloat16, causal=causal)
 

@@ -53,6 +53,16 @@ struct TileScheduler {
                            // middle tiles of two neighbouring (b, h) pair up, and one may be left
   int round_pairs = 0;     // pairs in whole double rounds: grid * (pairs / grid)
   int tail_pair_ctas = 0;  // CTAs that run a whole pair after them (the rest run one tile)
+  // When the tail runs one tile per CTA, the CTA with the long tile of an outer pair (cost up to
+  // num_m_blocks) finishes far behind the rest (192-row tiles at 16k: 1.12x the mean work). The
+  // tail then takes each head's most central pairs instead, whose two tiles cost about
+  // num_m_blocks / 2 each: pairs [num_head_pairs - tail_head_pairs, num_head_pairs) are central
+  // pairs dealt one head after another, and head bh keeps its outer pairs (pairs_per_head -
+  // tail_quota of them, one fewer for bh < tail_extra) consecutive for the rounds before.
+  int num_bh = 0;
+  int tail_head_pairs = 0;
+  int tail_quota = 0;  // tail_head_pairs / num_bh
+  int tail_extra = 0;  // tail_head_pairs % num_bh
 
   __host__ __device__ TileScheduler(int s_q, int block_m, int h, int b, bool masked)
       : num_m_blocks((s_q + block_m - 1) / block_m), num_heads(h),
@@ -66,7 +76,7 @@ struct TileScheduler {
   // Called by the launch with the grid it launches (gridDim.x): the pair order depends on it.
   __host__ void set_grid(int num_ctas) {
     grid = num_ctas;
-    const int num_bh = num_tiles / num_m_blocks;
+    num_bh = num_tiles / num_m_blocks;
     pairs_per_head = num_m_blocks / 2;
     num_head_pairs = num_bh * pairs_per_head;
     const bool odd = (num_m_blocks & 1) != 0;
@@ -75,6 +85,14 @@ struct TileScheduler {
     round_pairs = pairs / grid * grid;
     const int tail_tiles = 2 * (pairs - round_pairs) + lone_tile;
     tail_pair_ctas = tail_tiles > grid ? tail_tiles - grid : 0;
+    // The middle tiles' pairs (odd num_m_blocks) come last and are central already.
+    const int tail_pairs = pairs - round_pairs;
+    const int middle_pairs = odd ? num_bh / 2 : 0;
+    tail_head_pairs = round_pairs > 0 && tail_pair_ctas == 0 && tail_pairs > middle_pairs
+                          ? tail_pairs - middle_pairs
+                          : 0;
+    tail_quota = tail_head_pairs / num_bh;
+    tail_extra = tail_head_pairs % num_bh;
   }
 
   // Item `index` of the sequence above.
@@ -115,8 +133,23 @@ struct TileScheduler {
         }
       }
       if (pair < num_head_pairs) {
-        bh = pair / pairs_per_head;
-        const int j = pair - bh * pairs_per_head;
+        const int kept_pairs = num_head_pairs - tail_head_pairs;
+        const int kept_per_head = pairs_per_head - tail_quota;  // heads >= tail_extra
+        const int short_heads_span = tail_extra * (kept_per_head - 1);
+        int j;
+        if (pair >= kept_pairs) {
+          const int t = pair - kept_pairs;
+          bh = t % num_bh;
+          j = pairs_per_head - 1 - t / num_bh;
+        } else if (pair < short_heads_span) {
+          bh = pair / (kept_per_head - 1);
+          j = pair - bh * (kept_per_head - 1);
+        } else {
+          const int p = pair - short_heads_span;
+          const int k = p / kept_per_head;
+          bh = tail_extra + k;
+          j = p - k * kept_per_head;
+        }
         c.m_block = second ? j : num_m_blocks - 1 - j;
       } else {  // the middle m_block of (b, h) 2i and 2i + 1 (the lone one: second == 0)
         bh = 2 * (pair - num_head_pairs) + second;

@@ -2,9 +2,10 @@
 // unmasked problems and grid sizes around the tile count, the tiles the CTAs walk (CTA i: tiles
 // i, i + grid, ...) map through coord() onto every (m_block, head, batch) exactly once. With a
 // mask (the pair order), every CTA's work (sum of m_block + 1, a tile's K/V blocks under a
-// causal mask with 128-row and 128-key blocks) is within one pair of every other's, and each
-// round of the whole double rounds (of pairs within one head) reads the K/V of at most
-// grid / pairs_per_head + 2 heads.
+// causal mask with 128-row and 128-key blocks) is within one pair of every other's (within about
+// half a pair when the tail runs one central tile per CTA), and each round of the whole double
+// rounds (of pairs within one head) reads the K/V of at most grid / (pairs a head keeps for
+// them) + 2 heads.
 #include <algorithm>
 #include <cstdio>
 #include <set>
@@ -19,7 +20,8 @@ int main() {
   const int shapes[][4] = {{8192, 128, 16, 2}, {1000, 128, 3, 1}, {128, 128, 1, 1},
                            {2048, 192, 8, 3}, {512, 128, 16, 64}, {1024, 128, 16, 16},
                            {4096, 128, 32, 4}, {16384, 192, 32, 1}, {1152, 128, 5, 3},
-                           {128, 128, 7, 9}, {384, 128, 33, 1}, {384, 128, 17, 13}};
+                           {128, 128, 7, 9}, {384, 128, 33, 1}, {384, 128, 17, 13},
+                           {2560, 128, 5, 3}, {16384, 192, 16, 1}, {4096, 192, 16, 4}};
   for (const auto& sh : shapes) {
     for (bool masked : {false, true}) {
       for (int grid : {1, 2, 7, 132, 133, 264, 1000}) {
@@ -46,8 +48,17 @@ int main() {
         if (masked) {
           const auto [lo, hi] = std::minmax_element(work.begin(), work.end());
           ok = ok && *hi - *lo <= nm + 1;
+          if (sched.tail_head_pairs > 0) {
+            // A tail of single tiles from central pairs: the long one costs at most
+            // nm - pairs_per_head + tail_quota + 1 blocks (+1 for the heads that give one more).
+            const int longest = nm - sched.pairs_per_head + sched.tail_quota + 1 +
+                                (sched.tail_extra > 0 ? 1 : 0);
+            ok = ok && *hi - *lo <= longest;
+          }
           if (sched.pairs_per_head > 0) {
-            const int max_heads = grid / sched.pairs_per_head + 2;
+            // Each head keeps at least pairs_per_head - tail_quota - 1 pairs for the rounds.
+            const int kept = sched.pairs_per_head - sched.tail_quota - 1;
+            const int max_heads = grid / std::max(kept, 1) + 2;
             // Rounds of pairs within one (b, h) (the middle tiles' pairs span two heads each).
             for (int round = 0; (round / 2 + 1) * grid <= sched.num_head_pairs &&
                                 (round + 1) * grid <= 2 * sched.round_pairs;
@@ -62,6 +73,13 @@ int main() {
           }
         }
         ++cases;
+        if (masked && grid == 132 && sched.tail_head_pairs > 0) {
+          long total = 0, busiest = 0;
+          for (long w : work) total += w, busiest = std::max(busiest, w);
+          std::printf("s_q=%d block_m=%d h=%d b=%d grid=%d: central tail of %d pairs, busiest "
+                      "CTA %.3fx the mean\n", sh[0], sh[1], sh[2], sh[3], grid,
+                      sched.tail_head_pairs, double(busiest) * grid / double(total));
+        }
         if (!ok) {
           ++failures;
           std::printf("s_q=%d block_m=%d h=%d b=%d masked=%d grid=%d: FAILED\n", sh[0], sh[1],
