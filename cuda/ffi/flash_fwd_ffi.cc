@@ -1,7 +1,9 @@
 // XLA FFI handlers of the FlashAttention-3 forward kernels: "jax_fa3_flash_fwd" (whole rows),
 // "jax_fa3_flash_fwd_key_ranges" (a key range per query), "jax_fa3_flash_fwd_row_bounds" (one
 // (q_len, k_len, diag) per batch row) and "jax_fa3_flash_fwd_paged" /
-// "jax_fa3_flash_fwd_paged_row_bounds" (the same over a paged KV cache read in place).
+// "jax_fa3_flash_fwd_paged_row_bounds" (the same over a paged KV cache read in place), and the
+// decode step's "jax_fa3_flash_fwd_decode" / "jax_fa3_flash_fwd_paged_decode" (one query per row:
+// GQA query heads as the rows of their kv head's tile, split-KV pieces in the kernel).
 // Validates every argument again (Python already did) and dispatches to the compiled bucket.
 #include <cstdint>
 #include <utility>
@@ -34,6 +36,19 @@ struct KeyOperands {
   const ffi::AnyBuffer* covers = nullptr;
   const ffi::AnyBuffer* bounds = nullptr;
 };
+
+// A decode step (params.h: qo_heads_major, num_splits): q (b, 1, h, d) is read as g = h / h_k
+// query rows of each of the h_k heads, and the call returns the split-KV pieces: out
+// (b, num_splits, h, d) in q's dtype and lse (b, num_splits, h), piece p of row r at [r, p]. The
+// row bounds are in that view: q_len counts the g rows (all of them, or 0 for a row left out)
+// and every row shares the diagonal.
+struct Decode {
+  bool on = false;
+  int64_t num_splits = 1;
+};
+// Pieces per row: the kernel's scheduler counts b * h_k * num_splits tiles in int32 (and
+// splitting finer than a key block per piece only adds empty pieces).
+constexpr int64_t kMaxDecodeSplits = 1024;
 
 // The parameters every forward handler fills alike; a paged call adds its pages.
 FlashFwdParams forward_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
@@ -71,11 +86,21 @@ ffi::Error check_forward_call(const char* op, ffi::Result<ffi::AnyBuffer>& out,
                               ffi::Result<ffi::Buffer<ffi::F32>>& lse,
                               const ffi_util::AttentionDims& a, DType dtype,
                               ffi::DataType element_type, float softmax_scale, float softcap,
-                              int32_t window_left, int32_t window_right, const KeyOperands& keys) {
-  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(op, "out", *out, element_type, "q's shape",
-                                                     {a.b, a.s_q, a.h, a.d}));
-  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_shape(op, "lse", "shape (b, h, s_q) =",
-                                                    lse->dimensions(), {a.b, a.h, a.s_q}));
+                              int32_t window_left, int32_t window_right, const KeyOperands& keys,
+                              const Decode& decode = {}) {
+  if (decode.on) {
+    JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(
+        op, "out", *out, element_type, "shape (b, num_splits, h, d) =",
+        {a.b, decode.num_splits, a.h, a.d}));
+    JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_shape(op, "lse", "shape (b, num_splits, h) =",
+                                                      lse->dimensions(),
+                                                      {a.b, decode.num_splits, a.h}));
+  } else {
+    JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(op, "out", *out, element_type,
+                                                       "q's shape", {a.b, a.s_q, a.h, a.d}));
+    JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_shape(op, "lse", "shape (b, h, s_q) =",
+                                                      lse->dimensions(), {a.b, a.h, a.s_q}));
+  }
   JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_attention_scalars(op, softmax_scale, softcap,
                                                                 window_left, window_right));
   if (keys.ranges != nullptr) {
@@ -88,19 +113,53 @@ ffi::Error check_forward_call(const char* op, ffi::Result<ffi::AnyBuffer>& out,
   return check_compiled(op, a.d, dtype);
 }
 
+// A decode call's q and split count (Decode above), checked before its results' shapes, which
+// they determine.
+ffi::Error check_decode(const char* op, const Decode& decode, const ffi_util::AttentionDims& a) {
+  if (!decode.on) return ffi::Error::Success();
+  if (a.s_q != 1) {
+    return invalid(op, ": q must hold one query per row, shape (b, 1, h, d), got s_q=", a.s_q);
+  }
+  if (decode.num_splits < 1 || decode.num_splits > kMaxDecodeSplits) {
+    return invalid(op, ": num_splits must be in [1, ", kMaxDecodeSplits, "], got ",
+                   decode.num_splits);
+  }
+  if (a.b * a.h_k > ffi_util::kMaxQueryTiles / decode.num_splits) {
+    return invalid(op, ": b * h_k * num_splits must be at most 2^29 (tiles, counted in int32), "
+                   "got b=", a.b, ", h_k=", a.h_k, ", num_splits=", decode.num_splits);
+  }
+  return ffi::Error::Success();
+}
+
+// The sizes as the kernel sees a decode call: the g = h / h_k query heads of a kv head are the
+// rows of its tile.
+void to_decode_view(const Decode& decode, ffi_util::AttentionDims& a) {
+  if (!decode.on) return;
+  a.s_q = a.h / a.h_k;
+  a.h = a.h_k;
+}
+
+void set_decode(FlashFwdParams& params, const Decode& decode) {
+  params.qo_heads_major = decode.on;
+  params.num_splits = static_cast<int>(decode.num_splits);
+}
+
 ffi::Error flash_fwd_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                           ffi::AnyBuffer v, const KeyOperands& keys,
                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                           float softmax_scale, float softcap, int32_t window_left,
-                          int32_t window_right) {
+                          int32_t window_right, const Decode& decode = {}) {
   ffi_util::AttentionDims a{};
   DType dtype{};
   JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::read_16bit_attention(op, q, k, v, a, dtype));
+  JAX_FA3_RETURN_IF_FFI_ERROR(check_decode(op, decode, a));
   JAX_FA3_RETURN_IF_FFI_ERROR(check_forward_call(op, out, lse, a, dtype, q.element_type(),
                                                  softmax_scale, softcap, window_left,
-                                                 window_right, keys));
+                                                 window_right, keys, decode));
+  to_decode_view(decode, a);
   FlashFwdParams params = forward_params(q, k, v, out, lse, a, dtype, softmax_scale, softcap,
                                          window_left, window_right, keys);
+  set_decode(params, decode);
   return ffi_util::poison_and_launch(
       op, stream, [&] { return launch_flash_fwd(params, stream); }, out, lse);
 }
@@ -135,6 +194,17 @@ ffi::Error flash_fwd_row_bounds(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
                         softcap, window_left, window_right);
 }
 
+ffi::Error flash_fwd_decode(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                            ffi::AnyBuffer v, ffi::AnyBuffer row_bounds,
+                            ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::Buffer<ffi::F32>> lse, float softmax_scale,
+                            float softcap, int32_t window_left, int32_t window_right,
+                            int32_t num_splits) {
+  return flash_fwd_impl("flash_fwd_decode", stream, q, k, v,
+                        KeyOperands{nullptr, nullptr, &row_bounds}, out, lse, softmax_scale,
+                        softcap, window_left, window_right, Decode{true, num_splits});
+}
+
 // A paged KV cache read in place, on the key-range kernel: k_pool and v_pool (num_pages,
 // page_size, h_k, d), kv_pages int32 (b, pages_per_seq); row r's logical key j is row
 // j % page_size of page kv_pages[r, j / page_size] (clamped into the pool when read), and the
@@ -144,7 +214,8 @@ ffi::Error flash_fwd_paged_impl(const char* op, cudaStream_t stream, ffi::AnyBuf
                                 const KeyOperands& keys, ffi::AnyBuffer kv_pages,
                                 ffi::Result<ffi::AnyBuffer> out,
                                 ffi::Result<ffi::Buffer<ffi::F32>> lse, float softmax_scale,
-                                float softcap, int32_t window_left, int32_t window_right) {
+                                float softcap, int32_t window_left, int32_t window_right,
+                                const Decode& decode = {}) {
   const auto qd = q.dimensions();
   const auto kd = k_pool.dimensions();
   const auto pd = kv_pages.dimensions();
@@ -180,9 +251,11 @@ ffi::Error flash_fwd_paged_impl(const char* op, cudaStream_t stream, ffi::AnyBuf
   JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(op, "v_pool", v_pool, q.element_type(),
                                                      "k_pool's shape", {kd[0], kd[1], kd[2], kd[3]}));
   JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_head_dim(op, a.d));
+  JAX_FA3_RETURN_IF_FFI_ERROR(check_decode(op, decode, a));
   JAX_FA3_RETURN_IF_FFI_ERROR(check_forward_call(op, out, lse, a, dtype, q.element_type(),
                                                  softmax_scale, softcap, window_left,
-                                                 window_right, keys));
+                                                 window_right, keys, decode));
+  to_decode_view(decode, a);
   const int bucket = head_dim_bucket(static_cast<int>(a.d));
   if (page_size % forward_key_block(bucket) != 0) {
     return invalid(op, ": page_size must be a multiple of ", forward_key_block(bucket),
@@ -195,6 +268,7 @@ ffi::Error flash_fwd_paged_impl(const char* op, cudaStream_t stream, ffi::AnyBuf
   params.pages_per_seq = static_cast<int>(pages_per_seq);
   params.page_size = static_cast<int>(page_size);
   params.num_pages = static_cast<int>(num_pages);
+  set_decode(params, decode);
   return ffi_util::poison_and_launch(
       op, stream, [&] { return launch_flash_fwd(params, stream); }, out, lse);
 }
@@ -219,6 +293,18 @@ ffi::Error flash_fwd_paged_row_bounds(cudaStream_t stream, ffi::AnyBuffer q,
   return flash_fwd_paged_impl("flash_fwd_paged_row_bounds", stream, q, k_pool, v_pool,
                               KeyOperands{nullptr, nullptr, &row_bounds}, kv_pages, out, lse,
                               softmax_scale, softcap, window_left, window_right);
+}
+
+ffi::Error flash_fwd_paged_decode(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_pool,
+                                  ffi::AnyBuffer v_pool, ffi::AnyBuffer row_bounds,
+                                  ffi::AnyBuffer kv_pages, ffi::Result<ffi::AnyBuffer> out,
+                                  ffi::Result<ffi::Buffer<ffi::F32>> lse, float softmax_scale,
+                                  float softcap, int32_t window_left, int32_t window_right,
+                                  int32_t num_splits) {
+  return flash_fwd_paged_impl("flash_fwd_paged_decode", stream, q, k_pool, v_pool,
+                              KeyOperands{nullptr, nullptr, &row_bounds}, kv_pages, out, lse,
+                              softmax_scale, softcap, window_left, window_right,
+                              Decode{true, num_splits});
 }
 
 }  // namespace
@@ -268,6 +354,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFa3FlashFwdRowBounds, jax_fa3::flash_fwd_row_bounds,
     jax_fa3::bind_fwd_results_and_attrs(jax_fa3::bind_qkv().Arg<xla::ffi::AnyBuffer>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFa3FlashFwdDecode, jax_fa3::flash_fwd_decode,
+    jax_fa3::bind_fwd_results_and_attrs(jax_fa3::bind_qkv().Arg<xla::ffi::AnyBuffer>())
+        .Attr<int32_t>("num_splits"),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFa3FlashFwdPagedDecode, jax_fa3::flash_fwd_paged_decode,
+    jax_fa3::bind_fwd_results_and_attrs(
+        jax_fa3::bind_qkv().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>())
+        .Attr<int32_t>("num_splits"),
     {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFa3FlashFwdKeyRanges, jax_fa3::flash_fwd_key_ranges,

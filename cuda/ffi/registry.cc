@@ -15,6 +15,8 @@ extern "C" const jax_fa3::FfiTarget* jax_fa3_ffi_targets(int* count) {
       {"jax_fa3_flash_fwd_row_bounds", reinterpret_cast<void*>(JaxFa3FlashFwdRowBounds)},
       {"jax_fa3_flash_fwd_paged_row_bounds",
        reinterpret_cast<void*>(JaxFa3FlashFwdPagedRowBounds)},
+      {"jax_fa3_flash_fwd_decode", reinterpret_cast<void*>(JaxFa3FlashFwdDecode)},
+      {"jax_fa3_flash_fwd_paged_decode", reinterpret_cast<void*>(JaxFa3FlashFwdPagedDecode)},
       {"jax_fa3_flash_bwd_key_ranges", reinterpret_cast<void*>(JaxFa3FlashBwdKeyRanges)},
       {"jax_fa3_flash_fwd_fp8", reinterpret_cast<void*>(JaxFa3FlashFwdFp8)},
       {"jax_fa3_flash_bwd_fp8", reinterpret_cast<void*>(JaxFa3FlashBwdFp8)},

@@ -54,9 +54,12 @@ __device__ __forceinline__ void store_tile(KernelParams<Traits> const& p,
   // stmatrix writes are generic-proxy; the TMA store reads through the async proxy.
   cutlass::arch::fence_view_async_shared();
   named_barrier_sync(kBarrierConsumers, Traits::kNumConsumerThreads);
+  // Split-KV (params.h): piece p of batch row r is output row r * num_splits + p.
+  const int out_batch = Traits::kKeyRanges ? c.batch * sc.num_splits + c.split : c.batch;
   if (thread_idx == 0) {
-    Tensor mO = p.tma_o.get_tma_tensor(GmemShape(sc.s_q, sc.d, sc.h, sc.b));
-    Tensor gO = local_tile(mO(_, _, c.head, c.batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+    Tensor mO = p.tma_o.get_tma_tensor(
+        GmemShape(sc.s_q, sc.d, sc.h, Traits::kKeyRanges ? sc.b * sc.num_splits : sc.b));
+    Tensor gO = local_tile(mO(_, _, c.head, out_batch), Shape<Int<kBlockM>, Int<kHeadDim>>{},
                            make_coord(c.m_block, _0{}));
     auto [tOgO, tOsO] = tma_partition(p.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO),
                                       group_modes<0, 2>(gO));
@@ -75,7 +78,7 @@ __device__ __forceinline__ void store_tile(KernelParams<Traits> const& p,
   if (write_out && thread_in_wg % 4 == 0) {
     const FragCoord fc = FragCoord::of_thread(thread_in_wg);
     const int row = c.m_block * kBlockM + 64 * (thread_idx / 128) + fc.row0;
-    float* lse_row = sc.lse + (int64_t(c.batch) * sc.h + c.head) * sc.s_q;
+    float* lse_row = sc.lse + (int64_t(out_batch) * sc.h + c.head) * sc.s_q;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       if (row + 8 * r < sc.s_q) lse_row[row + 8 * r] = lse[r];

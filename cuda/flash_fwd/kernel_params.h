@@ -27,6 +27,14 @@ auto make_gmem_tensor(Element* ptr, int seq, int d, int heads, int batch) {
                      GmemStride(row, _1{}, int64_t(d), row * seq));
 }
 
+// The same view of an array laid out (batch, heads, seq, d) (FlashFwdParams::qo_heads_major).
+template <class Element>
+auto make_heads_major_gmem_tensor(Element* ptr, int seq, int d, int heads, int batch) {
+  const int64_t head = int64_t(seq) * d;
+  return make_tensor(make_gmem_ptr(ptr), GmemShape(seq, d, heads, batch),
+                     GmemStride(int64_t(d), _1{}, head, head * heads));
+}
+
 // Extra parameters of the fp8 kernel (scales, transposed V), an empty base otherwise (so the
 // bf16/fp16 parameter block keeps its layout: empty-base optimization).
 template <bool kFp8> struct ExtraParams {};

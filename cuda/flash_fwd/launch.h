@@ -47,6 +47,8 @@ inline FlashFwdScalars make_scalars(const FlashFwdParams& p) {
   s.row_bounds = p.row_bounds;
   s.kv_pages = nullptr;  // set by launch_traits for a paged cache
   s.pages_per_seq = s.blocks_per_page = s.num_pages = 0;
+  s.num_splits = 1;  // set by launch_traits for split-KV
+  s.split_keys = 0;
   return s;
 }
 
@@ -79,7 +81,15 @@ cudaError_t launch_traits(const FlashFwdParams& p, cudaStream_t stream) {
   const int h_k_desc = no_keys ? 1 : p.h_k;
   const int b_k_desc = paged ? 1 : p.b;
 
+  // Split-KV and heads-major q / o are for the key-range kernels (the handlers make sure).
+  if ((p.num_splits != 1 || p.qo_heads_major) && !Traits::kKeyRanges) return cudaErrorInvalidValue;
+  if (p.num_splits < 1) return cudaErrorInvalidValue;
   FlashFwdScalars scalars = make_scalars(p);
+  if (p.num_splits > 1) {
+    const int key_blocks = (p.s_k + Traits::kBlockN - 1) / Traits::kBlockN;
+    scalars.num_splits = p.num_splits;
+    scalars.split_keys = (key_blocks + p.num_splits - 1) / p.num_splits * Traits::kBlockN;
+  }
   if (paged) {
     scalars.kv_pages = p.kv_pages;
     scalars.pages_per_seq = p.pages_per_seq;
@@ -88,7 +98,7 @@ cudaError_t launch_traits(const FlashFwdParams& p, cudaStream_t stream) {
   }
   const Params params = make_kernel_params<Traits>(
       {}, q, k, make_gmem_tensor(v, s_k_desc, p.d, h_k_desc, b_k_desc), static_cast<Element*>(p.o),
-      p.b, p.s_q, s_k_desc, p.h, h_k_desc, p.d, scalars, b_k_desc);
+      p.b, p.s_q, s_k_desc, p.h, h_k_desc, p.d, scalars, b_k_desc, p.qo_heads_major);
   int num_sms = 0;
   JAX_FA3_RETURN_IF_CUDA_ERROR(current_device_sm_count(&num_sms));
   return launch_kernel(params, std::min(num_sms, params.scheduler.num_tiles), stream);

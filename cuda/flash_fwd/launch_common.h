@@ -11,7 +11,8 @@
 
 namespace jax_fa3::fwd {
 
-// Where one call's tensors are, as its TMA descriptors see them: Q and O (b, s_q, h, d), K
+// Where one call's tensors are, as its TMA descriptors see them: Q and O (b, s_q, h, d), or
+// (b, h, s_q, d) with qo_heads_major, O with b * scalars.num_splits batch rows (split-KV), K
 // (b, s_k, h_k, d), and V's global view, which the caller builds (16-bit: like K; fp8: the
 // transposed Vt). s_k and h_k are those of the descriptors (1 for a call without keys, whose K/V
 // blocks are never loaded); kv_batch is K's batch extent (b unless given: a paged cache's pool
@@ -22,21 +23,26 @@ KernelParams<Traits> make_kernel_params(const ExtraParams<Traits::kFp8>& extra,
                                         const typename Traits::Element* k, GmemV const& v,
                                         typename Traits::ElementOut* o, int b, int s_q, int s_k,
                                         int h, int h_k, int d, const FlashFwdScalars& scalars,
-                                        int kv_batch = -1) {
+                                        int kv_batch = -1, bool qo_heads_major = false) {
   using Params = KernelParams<Traits>;
+  auto qo_tensor = [&](auto* ptr, int batch) {
+    return qo_heads_major ? make_heads_major_gmem_tensor(ptr, s_q, d, h, batch)
+                          : make_gmem_tensor(ptr, s_q, d, h, batch);
+  };
   return Params{
       extra,
-      make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(q, s_q, d, h, b),
+      make_tma_copy(SM90_TMA_LOAD{}, qo_tensor(q, b),
                     typename Traits::SmemLayoutQ{}, typename Params::TileQ{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(k, s_k, d, h_k, kv_batch < 0 ? b : kv_batch),
                     take<0, 2>(typename Traits::SmemLayoutK{}), typename Params::TileKV{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, v, take<0, 2>(typename Traits::SmemLayoutV{}),
                     typename Params::TileV{}, _1{}),
-      make_tma_copy(SM90_TMA_STORE{}, make_gmem_tensor(o, s_q, d, h, b),
+      make_tma_copy(SM90_TMA_STORE{}, qo_tensor(o, b * scalars.num_splits),
                     typename Traits::SmemLayoutO{}, typename Params::TileQ{}, _1{}),
       scalars,
       TileScheduler(s_q, Traits::kBlockM, h, b,
-                    scalars.window_left >= 0 || scalars.window_right >= 0)};
+                    scalars.window_left >= 0 || scalars.window_right >= 0,
+                    scalars.num_splits)};
 }
 
 // The current device's SM count: the persistent grid's upper bound.

@@ -40,6 +40,16 @@ struct FlashFwdParams {
   int pages_per_seq = 0;
   int page_size = 0;
   int num_pages = 0;
+  // Decoding (key-range kernels). qo_heads_major: q and o are laid out (b, h, s_q, d) rather
+  // than (b, s_q, h, d); a GQA decode step's q (b, 1, h_k * g, d) is then read in place as g
+  // query rows of each of h_k heads (s_q = g, h = h_k), so one tile streams a kv head's K/V
+  // for all its query heads. num_splits > 1: split-KV in the kernel: each (row, head) tile is
+  // num_splits tiles, piece p visiting the row's keys in
+  // [p * split_keys, (p + 1) * split_keys), split_keys = ceil(key blocks / num_splits) * key
+  // block; o and lse then hold b * num_splits rows, piece p of batch row r at row
+  // r * num_splits + p (merged by the split-KV combine, cuda/decode/).
+  bool qo_heads_major = false;
+  int num_splits = 1;
 };
 
 // The device-side view of the scalars: the scale already folded into the log2 domain.
@@ -59,6 +69,8 @@ struct FlashFwdScalars {
   int pages_per_seq;
   int blocks_per_page;    // page_size / kBlockN
   int num_pages;
+  int num_splits;         // FlashFwdParams::num_splits (1: none)
+  int split_keys;         // keys per piece, a multiple of kBlockN (0: no split)
 };
 
 }  // namespace jax_fa3

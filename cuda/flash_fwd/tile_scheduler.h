@@ -16,6 +16,7 @@ namespace jax_fa3::fwd {
 
 struct TileCoord {
   int m_block, head, batch;
+  int split;  // split-KV piece (0 without split-KV)
 };
 
 // Which part of its tile a work item computes.
@@ -28,6 +29,9 @@ struct WorkItem {
 
 struct TileScheduler {
   int num_m_blocks, num_heads, num_tiles;
+  // Split-KV (key-range kernels, coord<true>): each (batch, head) is num_splits "heads" of the
+  // orders below, (batch, head, split) with the split fastest.
+  int num_splits;
   // L above (0: no tail split) and the item count, set on the host (set_tail_split): kept as
   // parameters so that the kernel's loops read them from the constant bank instead of holding
   // a computed bound in a register (the 192-row fp8 kernel has none to spare).
@@ -64,9 +68,10 @@ struct TileScheduler {
   int tail_quota = 0;  // tail_head_pairs / num_bh
   int tail_extra = 0;  // tail_head_pairs % num_bh
 
-  __host__ __device__ TileScheduler(int s_q, int block_m, int h, int b, bool masked)
+  __host__ __device__ TileScheduler(int s_q, int block_m, int h, int b, bool masked,
+                                    int splits = 1)
       : num_m_blocks((s_q + block_m - 1) / block_m), num_heads(h),
-        num_tiles(num_m_blocks * h * b), paired(masked) {}
+        num_tiles(num_m_blocks * h * b * splits), num_splits(splits), paired(masked) {}
 
   __host__ void set_tail_split(int split_tiles) {
     num_split_tiles = split_tiles;
@@ -104,7 +109,9 @@ struct TileScheduler {
             piece < num_split_tiles ? kHighPiece : kLowPiece};
   }
 
-  // The tile of work index `tile` (CTA i walks i, i + grid, ...).
+  // The tile of work index `tile` (CTA i walks i, i + grid, ...). kSplitKv: the kernel splits
+  // keys (num_splits may exceed 1); otherwise num_splits is 1 and no piece index is decoded.
+  template <bool kSplitKv = false>
   __host__ __device__ __forceinline__ TileCoord coord(int tile) const {
     TileCoord c;
     int bh;
@@ -158,6 +165,12 @@ struct TileScheduler {
     } else {
       c.m_block = tile % num_m_blocks;
       bh = tile / num_m_blocks;
+    }
+    if constexpr (kSplitKv) {
+      c.split = bh % num_splits;
+      bh /= num_splits;
+    } else {
+      c.split = 0;
     }
     c.head = bh % num_heads;
     c.batch = bh / num_heads;

@@ -5,7 +5,7 @@
 // causal mask with 128-row and 128-key blocks) is within one pair of every other's (within about
 // half a pair when the tail runs one central tile per CTA), and each round of the whole double
 // rounds (of pairs within one head) reads the K/V of at most grid / (pairs a head keeps for
-// them) + 2 heads.
+// them) + 2 heads. With split-KV pieces (coord<true>), every (m_block, head, batch, piece) once.
 #include <algorithm>
 #include <cstdio>
 #include <set>
@@ -84,6 +84,38 @@ int main() {
           ++failures;
           std::printf("s_q=%d block_m=%d h=%d b=%d masked=%d grid=%d: FAILED\n", sh[0], sh[1],
                       sh[2], sh[3], int(masked), grid);
+        }
+      }
+    }
+  }
+  // Split-KV (coord<true>): (m_block, head, batch, split) each exactly once, for one-query decode
+  // steps (one m_block, masked or not) and longer ones.
+  const int split_shapes[][5] = {{1, 128, 4, 1, 32}, {8, 128, 2, 3, 7}, {300, 128, 5, 2, 3},
+                                 {1, 64, 1, 64, 2}};
+  for (const auto& sh : split_shapes) {
+    for (bool masked : {false, true}) {
+      for (int grid : {1, 7, 132}) {
+        jax_fa3::fwd::TileScheduler sched(sh[0], sh[1], sh[2], sh[3], masked, sh[4]);
+        if (grid > sched.num_tiles) continue;
+        sched.set_grid(grid);
+        const int nm = sched.num_m_blocks, splits = sh[4];
+        std::vector<int> seen(size_t(sched.num_tiles), 0);
+        bool ok = sched.num_tiles == nm * sh[2] * sh[3] * splits;
+        for (int tile = 0; tile < sched.num_tiles; ++tile) {
+          const auto c = sched.coord<true>(tile);
+          if (c.m_block < 0 || c.m_block >= nm || c.head < 0 || c.head >= sh[2] || c.batch < 0 ||
+              c.batch >= sh[3] || c.split < 0 || c.split >= splits) {
+            ok = false;
+            continue;
+          }
+          ++seen[size_t(((c.batch * sh[2] + c.head) * splits + c.split) * nm + c.m_block)];
+        }
+        for (int s : seen) ok = ok && s == 1;
+        ++cases;
+        if (!ok) {
+          ++failures;
+          std::printf("split-KV s_q=%d block_m=%d h=%d b=%d splits=%d masked=%d grid=%d: FAILED\n",
+                      sh[0], sh[1], sh[2], sh[3], splits, int(masked), grid);
         }
       }
     }

@@ -74,10 +74,9 @@ __device__ __forceinline__ int num_work_items(const TileScheduler& scheduler) {
 }
 
 // Work item `index` of the sequence (producer and consumers walk the same one): its tile, its
-// keys (kKeyRanges: the tile's TileKeys from sc.key_covers or sc.row_bounds, common/key_ranges.h;
-// else unused) and
-// the K/V blocks it visits (block_range or key_blocks, cut to the piece). Without the split, the
-// whole tile.
+// keys (kKeyRanges: the tile's TileKeys from sc.key_covers or sc.row_bounds, common/key_ranges.h,
+// cut to its split-KV piece's keys; else unused) and the K/V blocks it visits (block_range or
+// key_blocks, cut to the tail-split piece). Without the tail split, the whole tile.
 struct ItemBlocks {
   TileCoord tile;
   TileKeys keys;
@@ -87,10 +86,11 @@ template <bool kTailSplit, bool kKeyRanges>
 __device__ __forceinline__ ItemBlocks item_blocks(const TileScheduler& scheduler, int index,
                                                   int block_m, int block_n,
                                                   const FlashFwdScalars& sc) {
-  const WorkItem item =
-      kTailSplit ? scheduler.item(index) : WorkItem{scheduler.coord(index), kWholeTile};
+  const WorkItem item = kTailSplit ? scheduler.item(index)
+                                    : WorkItem{scheduler.template coord<kKeyRanges>(index),
+                                               kWholeTile};
   if constexpr (kKeyRanges) {
-    const TileKeys keys =
+    TileKeys keys =
         sc.row_bounds != nullptr
             ? bounded_tile_keys(load_row_bounds(sc.row_bounds, item.tile.batch, sc.s_q, sc.s_k),
                                 item.tile.m_block * block_m, block_m, sc.s_q, sc.s_k,
@@ -98,6 +98,11 @@ __device__ __forceinline__ ItemBlocks item_blocks(const TileScheduler& scheduler
             : tile_keys(sc.key_covers, item.tile.batch, key_range_rows(sc.s_q) / kKeyRangeGranule,
                         item.tile.m_block * (block_m / kKeyRangeGranule),
                         block_m / kKeyRangeGranule, sc.s_k);
+    if (sc.split_keys > 0) {  // split-KV: this piece's whole blocks of the tile's keys
+      const int first = item.tile.split * sc.split_keys;
+      keys.lo = max(keys.lo, first);
+      keys.hi = min(keys.hi, first + sc.split_keys);
+    }
     return {item.tile, keys, piece_range(key_blocks(keys, block_n), item.piece)};
   } else {
     const BlockRange whole = block_range<false>(item.tile.m_block, block_m, block_n,
