@@ -3,8 +3,14 @@ lengths[r] keys), shaped for the kernels: GQA query heads packed into the query 
 decoding, and the keys split across CTAs (split-KV, "flash-decoding") with the partial results
 merged by their log-sum-exp.
 
-Both are reshapes around padded-batch attention (`jax_fa3.attention.masked_attention`), so they
-hold on every path: the reference computes the same split and merge as the kernels.
+A decode step (one query per row) runs as one op (`_decode`): on Hopper the kernels' decode
+targets read q in place with a kv head's query heads as the rows of its tile and make the
+split-KV pieces in their scheduler, each piece a run of whole key blocks of the row; elsewhere
+XLA ops compute the same pieces (`_decode_pieces_xla`). The pieces are then merged as below.
+
+Other calls (several queries, or a library without the decode targets) reshape around
+padded-batch attention (`jax_fa3.attention.masked_attention`), so they hold on every path: the
+reference computes the same split and merge as the kernels.
 - GQA packing (one query per row, query heads per kv head `group` > 1, no left window): the
   group's query heads become `group` query rows of one head, so one tile reads each K/V block
   once for the whole group instead of once per query head.
@@ -29,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_fa3 import _ffi, _local_attention, _partitioning
+from jax_fa3 import _ffi, _local_attention, _partitioning, reference
 from jax_fa3._batching import fold_vmap_into_batch
 from jax_fa3._config import AttentionConfig
 from jax_fa3.attention import masked_attention
@@ -209,6 +215,167 @@ def _merge(out, lse, b, n, out_dtype):
   return _combine(n)(out, lse)
 
 
+# The decode step on the kernels (cuda/ffi/flash_fwd_ffi.cc): q (b, 1, h, d), the row bounds
+# in the grouped view (g = h / h_k query rows per kv head), results (b, n, h, d) and (b, n, h).
+DECODE_TARGET = "jax_fa3_flash_fwd_decode"
+PAGED_DECODE_TARGET = "jax_fa3_flash_fwd_paged_decode"
+
+
+def decode_applies(q, h_k: int, cfg: AttentionConfig, paged: bool) -> bool:
+  """Whether this call is a decode step for `_decode`: one query per row; a GQA group's query
+  heads share their row's mask, which with a left window they would not (each grouped row would
+  have its own diagonal); no Explicit mesh axis (the pieces' reshape for the merge would need
+  their sharding spelled out); and the kernels, where they run, have the decode targets (an
+  older library keeps the reshapes)."""
+  b, s_q, h, _ = q.shape
+  if s_q != 1 or (h != h_k and cfg.window_left >= 0):
+    return False
+  if _partitioning.explicit_mesh((q,)) is not None:
+    return False
+  target = PAGED_DECODE_TARGET if paged else DECODE_TARGET
+  return not _local_attention.masked_kernels_would_run(q) or _ffi.has_target(target)
+
+
+def decode_splits(requested: int, b: int, kv_heads: int, capacity: int, key_block: int,
+                  on_kernels: bool) -> int:
+  """Pieces per row for a decode step: each is ceil(key blocks / n) whole blocks of
+  `key_block` keys, so any count up to the row's key blocks works. `requested` 0: on the
+  kernels, the count with the fewest rounds of the longest pieces on the persistent grid (tiles
+  b * kv_heads * n, each its piece's keys plus TILE_OVERHEAD_KEYS; pieces of at least
+  MIN_KEYS_PER_SPLIT keys; ties to fewer pieces), elsewhere 1."""
+  blocks = max(1, -(-capacity // key_block))
+  if requested > 0:
+    return min(requested, blocks)
+  if not on_kernels:
+    return 1
+  ctas = _sm_count()
+
+  def cost(n):
+    rounds = -(-b * kv_heads * n // ctas)
+    return rounds * (-(-blocks // n) * key_block + TILE_OVERHEAD_KEYS)
+
+  most = max(1, min(blocks, capacity // MIN_KEYS_PER_SPLIT))
+  return min(range(1, most + 1), key=lambda n: (cost(n), n))
+
+
+def _decode_pieces_xla(q, keys, values, lengths, diagonal, cfg: AttentionConfig, n: int,
+                       key_block: int):
+  """The decode targets' results with XLA ops: q (b, 1, h, d) over keys / values
+  (b, capacity, h_k, d), cut into n pieces of ceil(blocks / n) whole key blocks (the kernels'
+  cut), each attended with the row's own mask: out (b, n, h, d) in q's dtype, lse (b, n, h)."""
+  b, _, h, d = q.shape
+  capacity = keys.shape[1]
+  piece = -(-max(1, -(-capacity // key_block)) // n) * key_block
+  pad = ((0, 0), (0, n * piece - capacity), (0, 0), (0, 0))
+  keys = jnp.pad(keys, pad).reshape((b * n, piece) + keys.shape[2:])
+  values = jnp.pad(values, pad).reshape((b * n, piece) + values.shape[2:])
+  first = jnp.arange(n, dtype=jnp.int32) * piece
+  k_len = jnp.clip(lengths[:, None] - first, 0, piece).reshape(-1)
+  piece_diagonal = (diagonal[:, None] - first).reshape(-1)
+  masks = (jnp.ones((b * n,), jnp.int32), k_len, piece_diagonal)
+  out, lse = reference.attention_forward(jnp.repeat(q, n, axis=0), keys, values, masks=masks,
+                                         **cfg.kwargs())
+  return out.reshape(b, n, h, d), lse.reshape(b, n, h)
+
+
+def _decode_kernel(n: int, cfg: AttentionConfig, paged: bool):
+  """The decode target's call over (q, k, v, lengths, diagonal), or (q, k_pool, v_pool, table,
+  lengths, diagonal) with `paged`, for n pieces per row; vmap folds into the batch rows (a
+  vmapped pool: each lane's pages gathered onto the contiguous target)."""
+  def call(q, *rest):
+    *cache, lengths, diagonal = rest
+    b, _, h, d = q.shape
+    group = h // cache[0].shape[2]
+    # The row bounds of the grouped view: the g query heads of a kv head are its tile's rows,
+    # all of them real and sharing the row's diagonal.
+    bounds = jnp.stack([jnp.full((b,), group, jnp.int32), lengths.astype(jnp.int32),
+                        diagonal.astype(jnp.int32)], axis=1)
+    if paged:
+      k_pool, v_pool, table = cache
+      operands = (q, k_pool, v_pool, bounds, table.astype(jnp.int32))
+    else:
+      operands = (q, *cache, bounds)
+    results = (jax.ShapeDtypeStruct((b, n, h, d), q.dtype),
+               jax.ShapeDtypeStruct((b, n, h), jnp.float32))
+    return tuple(_ffi.call(PAGED_DECODE_TARGET if paged else DECODE_TARGET, results, *operands,
+                           num_splits=np.int32(n), **_local_attention.window_attrs(cfg)))
+
+  if not paged:
+    return fold_vmap_into_batch(call)
+  contiguous = _decode_kernel(n, cfg, False)
+
+  def gathered(q, k_pool, v_pool, table, lengths, diagonal):
+    return contiguous(q, _local_attention.gather_pages(k_pool, table),
+                      _local_attention.gather_pages(v_pool, table), lengths, diagonal)
+
+  return fold_vmap_into_batch(call, has_batch=(True, False, False, True, True, True),
+                              unfolded=gathered)
+
+
+def _decode_local(n: int, paged: bool):
+  """One device's decode step over (q, k, v, lengths, diagonal), or (q, k_pool, v_pool, table,
+  lengths, diagonal) for a paged cache read in place: the decode target where the kernels run,
+  else _decode_pieces_xla (the pages gathered first)."""
+  target = PAGED_DECODE_TARGET if paged else DECODE_TARGET
+
+  def local(*arrays_and_cfg):
+    *arrays, cfg = arrays_and_cfg
+    q = arrays[0]
+    key_block = _local_attention.FORWARD_KEY_BLOCK[_local_attention.head_dim_bucket(q.shape[-1])]
+
+    def xla(q, *rest):
+      *cache, lengths, diagonal = rest
+      if paged:
+        k_pool, v_pool, table = cache
+        cache = (_local_attention.gather_pages(k_pool, table),
+                 _local_attention.gather_pages(v_pool, table))
+      return _decode_pieces_xla(q, *cache, lengths, diagonal, cfg, n, key_block)
+
+    if not _local_attention.use_decode_kernel(target, q):
+      return xla(*arrays)
+    s_k = arrays[3].shape[1] * arrays[1].shape[1] if paged else arrays[1].shape[1]
+    _ffi.check_kernel_sizes(q.shape, (q.shape[0], s_k) + arrays[1].shape[2:])
+    return jax.lax.platform_dependent(*arrays, cuda=_decode_kernel(n, cfg, paged), default=xla)
+
+  return local
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_op(n: int, paged: bool) -> _partitioning.AttentionOp:
+  """The decode step as a partitioned op: batch rows and heads stay on their devices, a row's
+  pieces together; a paged cache's pools are split by heads only (any row may read any page)."""
+  cache = ("pool", "pool", "table") if paged else ("kv", "kv")
+  return _partitioning.AttentionOp(
+      "flash_fwd_paged_decode" if paged else "flash_fwd_decode",
+      ("q",) + cache + ("lens", "lens"), ("pieces", "piece_rows"), _decode_local(n, paged),
+      split_queries=False)
+
+
+def _decode(q, keys, values, lengths, cfg: AttentionConfig, return_lse: bool,
+            requested_splits: int):
+  """`attend` for a decode step (`decode_applies`): the decode op's pieces, merged."""
+  b, _, h, d = q.shape
+  paged = isinstance(keys, Pages)
+  if paged:
+    capacity, h_k = keys.table.shape[1] * keys.page_size, keys.k_pool.shape[2]
+    cache = (keys.k_pool, keys.v_pool, keys.table)
+  else:
+    capacity, h_k = keys.shape[1], keys.shape[2]
+    cache = (keys, values)
+  key_block = _local_attention.FORWARD_KEY_BLOCK[_local_attention.head_dim_bucket(d)]
+  target = PAGED_DECODE_TARGET if paged else DECODE_TARGET
+  on_kernels = _local_attention.masked_kernels_would_run(q) and _ffi.has_target(target)
+  n = decode_splits(requested_splits, b, h_k, capacity, key_block, on_kernels)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  out, lse = _partitioning.call_partitioned(_decode_op(n, paged),
+                                            (q, *cache, lengths, lengths - 1), cfg)
+  if n > 1:
+    out, lse = _merge(out.reshape(b * n, 1, h, d), lse.reshape(b * n, h, 1), b, n, q.dtype)
+  else:
+    out, lse = out.reshape(b, 1, h, d), lse.reshape(b, h, 1)
+  return (out, lse) if return_lse else out
+
+
 def _forward_paged_local(q, k_pool, v_pool, table, *masks_and_cfg):
   *masks, cfg = masks_and_cfg
   return _local_attention.forward_paged(q, k_pool, v_pool, table, tuple(masks), cfg)
@@ -243,6 +410,8 @@ def attend(q, keys, values, lengths, cfg: AttentionConfig, return_lse: bool,
     capacity, h_k, unit = keys.table.shape[1] * keys.page_size, keys.k_pool.shape[2], keys.page_size
   else:
     capacity, h_k, unit = keys.shape[1], keys.shape[2], 1
+  if decode_applies(q, h_k, cfg, paged):
+    return _decode(q, keys, values, lengths, cfg, return_lse, requested_splits)
   group = h // h_k
   diagonal = lengths - s_q
   # (Not on Explicit meshes: splitting a sharded head axis needs the output's sharding spelled

@@ -68,7 +68,7 @@ def _use_kernel(target: str, q) -> bool:
   return True
 
 
-def _window_attrs(cfg: AttentionConfig) -> dict:
+def window_attrs(cfg: AttentionConfig) -> dict:
   return dict(softmax_scale=np.float32(cfg.softmax_scale), softcap=np.float32(cfg.softcap),
               window_left=np.int32(cfg.window_left), window_right=np.int32(cfg.window_right))
 
@@ -93,7 +93,7 @@ def _forward_kernel(cfg: AttentionConfig):
   row bounds, or the (ranges, covers) of _key_ranges.kernel_operands."""
   def call(q, k, v, *key_operands):
     return _ffi.call(_FORWARD_TARGETS[len(key_operands)], _forward_results(q), q, k, v,
-                     *key_operands, **_window_attrs(cfg))
+                     *key_operands, **window_attrs(cfg))
 
   return fold_vmap_into_batch(call)
 
@@ -108,7 +108,7 @@ def _backward_kernel(cfg: AttentionConfig):
         jax.ShapeDtypeStruct((workspace,), jnp.uint8),)
     dq, dk, dv, _ = _ffi.call(_BACKWARD_TARGETS[len(key_ranges)], result_types, q, k, v, out,
                               dout, lse, *key_ranges,
-                              deterministic=np.bool_(cfg.deterministic), **_window_attrs(cfg))
+                              deterministic=np.bool_(cfg.deterministic), **window_attrs(cfg))
     return dq, dk, dv
 
   batched = fold_vmap_into_batch(call)
@@ -174,6 +174,12 @@ def _use_masked_kernel(target: str, q) -> bool:
       _ffi.announce_once(reason, f"jax_fa3: {reason}")
     return False
   return _use_kernel(target, q)
+
+
+def use_decode_kernel(target: str, q) -> bool:
+  """Whether a decode target (jax_fa3._cache_attention) runs q on the kernels (announced when
+  not)."""
+  return _use_masked_kernel(target, q)
 
 
 def _row_bounds(masks):
@@ -258,7 +264,7 @@ def paged_in_place(q, page_size: int) -> bool:
           and page_size % FORWARD_KEY_BLOCK[head_dim_bucket(q.shape[-1])] == 0)
 
 
-def _gather_pages(pool, table):
+def gather_pages(pool, table):
   """(b, pages_per_seq * page_size, h_k, d): each row's pages in order (indices clamped)."""
   b, pages = table.shape
   rows = jnp.clip(table.astype(jnp.int32), 0, pool.shape[0] - 1)
@@ -274,7 +280,7 @@ def forward_paged(q, k_pool, v_pool, table, masks, cfg: AttentionConfig):
   s_k = table.shape[1] * k_pool.shape[1]
 
   def ref(q, k_pool, v_pool, table, *masks):
-    keys, values = _gather_pages(k_pool, table), _gather_pages(v_pool, table)
+    keys, values = gather_pages(k_pool, table), gather_pages(v_pool, table)
     return reference.attention_forward(q, keys, values, masks=masks, **cfg.kwargs())
 
   # Arguments in _on_key_ranges' order: the arrays (table among them), then the row bounds or
@@ -282,11 +288,11 @@ def forward_paged(q, k_pool, v_pool, table, masks, cfg: AttentionConfig):
   def paged_call(q, k_pool, v_pool, table, *key_operands):
     target = PAGED_BOUNDS_TARGET if len(key_operands) == 1 else PAGED_TARGET
     return _ffi.call(target, _forward_results(q), q, k_pool, v_pool, *key_operands,
-                     table.astype(jnp.int32), **_window_attrs(cfg))
+                     table.astype(jnp.int32), **window_attrs(cfg))
 
   def gathered_call(q, k_pool, v_pool, table, *key_operands):
     # vmap over the pools themselves: each lane's pages gathered, on the key-range kernel.
-    keys, values = _gather_pages(k_pool, table), _gather_pages(v_pool, table)
+    keys, values = gather_pages(k_pool, table), gather_pages(v_pool, table)
     return _forward_kernel(cfg)(q, keys, values, *key_operands)
 
   def on_pages(*arrays_and_key_operands):

@@ -31,7 +31,8 @@ The ops themselves are declared by their users: the bf16 forward and backward in
 `jax_fa3.attention`, the fp8 call from floats in `jax_fa3.fp8` (with `split_queries=False`: batch
 and heads stay local, a sequence split is gathered, since its quantization blocks and v's per-head
 scale span the sequence), the forward over a paged KV cache in `jax_fa3._cache_attention` (its
-pools, LAYOUTS "pool", keep only their heads split).
+pools, LAYOUTS "pool", keep only their heads split) and the decode step there (its results are
+a row's split-KV pieces, LAYOUTS "pieces", whose piece axis stays whole).
 
 vmap composes: the partitioned op is wrapped in `_batching.fold_vmap_into_batch`.
 """
@@ -64,10 +65,13 @@ LAYOUTS = {
     # may read (replicated but for the heads), and the rows' page tables (batch, pages_per_seq).
     "pool": ("pg", "ps", "n", "d"),
     "table": ("b", "pt"),
+    # A decode step's split-KV pieces (batch, pieces, heads, head_dim) and their lse.
+    "pieces": ("b", "sp", "h", "d"),
+    "piece_rows": ("b", "sp", "h"),
 }
 # The factors of LAYOUTS that are never split (the pages of a pool, a page's slots, a table's
-# entries) besides head_dim.
-_REPLICATED_FACTORS = ("pg", "ps", "pt")
+# entries, a row's split-KV pieces) besides head_dim.
+_REPLICATED_FACTORS = ("pg", "ps", "pt", "sp")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -26,12 +26,13 @@ import numpy as np
 import pytest
 
 import jax_fa3
-from jax_fa3 import _local_attention
+from jax_fa3 import _cache_attention, _local_attention
 from ffi_probe import ffi_error_message
 from kernel_build import skip_unless_compiled
-from kernel_targets import (FLASH_BWD, FLASH_BWD_KEY_RANGES, FLASH_FWD, FLASH_FWD_KEY_RANGES,
-                            FLASH_FWD_PAGED, FLASH_FWD_PAGED_ROW_BOUNDS, FLASH_FWD_ROW_BOUNDS,
-                            compiled_text, kernel_targets, run_on_kernels)
+from kernel_targets import (FLASH_BWD, FLASH_BWD_KEY_RANGES, FLASH_FWD, FLASH_FWD_DECODE,
+                            FLASH_FWD_KEY_RANGES, FLASH_FWD_PAGED, FLASH_FWD_PAGED_DECODE,
+                            FLASH_FWD_PAGED_ROW_BOUNDS, FLASH_FWD_ROW_BOUNDS, compiled_text,
+                            kernel_targets, run_on_kernels)
 from oracle import attention_oracle, attention_oracle_grads, padding_mask
 
 pytestmark = pytest.mark.gpu
@@ -43,24 +44,29 @@ def _masked_kernels(monkeypatch):
 
 
 class KeyForm:
-  """The forward targets of calls whose masks are lengths alone: contiguous and paged."""
-  def __init__(self, fwd, paged):
+  """The forward targets of calls whose masks are lengths alone: contiguous and paged, and those
+  of a decode step (one query per row)."""
+  def __init__(self, fwd, paged, decode, paged_decode):
     self.fwd, self.paged = fwd, paged
+    self.decode, self.paged_decode = decode, paged_decode
 
 
 @pytest.fixture(params=["row_bounds", "key_ranges"])
 def key_form(request, monkeypatch):
-  """Row bounds (the default), or the per-query ranges and covers they replace (what a library
-  without the row-bound targets runs, and the form of segment ids and varlen)."""
+  """Row bounds and the decode targets (the default), or the per-query ranges and covers they
+  replace (what a library without those targets runs, and the form of segment ids and varlen):
+  a decode step then reshapes around the key-range kernels."""
   if request.param == "key_ranges":
     monkeypatch.setattr(_local_attention, "_takes_row_bounds", lambda masks, target: False)
+    monkeypatch.setattr(_cache_attention, "decode_applies", lambda *args: False)
     # The partitioned ops' traces are cached across calls of one shape: drop them both ways, so
     # neither form reuses the other's program.
     jax.clear_caches()
-    yield KeyForm(FLASH_FWD_KEY_RANGES, FLASH_FWD_PAGED)
+    yield KeyForm(FLASH_FWD_KEY_RANGES, FLASH_FWD_PAGED, FLASH_FWD_KEY_RANGES, FLASH_FWD_PAGED)
     jax.clear_caches()
   else:
-    yield KeyForm(FLASH_FWD_ROW_BOUNDS, FLASH_FWD_PAGED_ROW_BOUNDS)
+    yield KeyForm(FLASH_FWD_ROW_BOUNDS, FLASH_FWD_PAGED_ROW_BOUNDS, FLASH_FWD_DECODE,
+                  FLASH_FWD_PAGED_DECODE)
 
 
 def _normal(seed, shape, dtype=jnp.bfloat16):
@@ -268,7 +274,7 @@ def test_kv_cache_decode_reads_the_cache_in_place_on_the_masked_kernel(key_form)
   lengths = jnp.asarray([1, 999, 517], jnp.int32)
   call = jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
       q, kc, vc, cache_seqlens=lengths, causal=True))
-  out = np.asarray(run_on_kernels(call, q, k_cache, v_cache, expected={key_form.fwd}))
+  out = np.asarray(run_on_kernels(call, q, k_cache, v_cache, expected={key_form.decode}))
   for r, n in enumerate(np.asarray(lengths)):
     want = jax.jit(lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=True))(
         q[r:r + 1], k_cache[r:r + 1, :n], v_cache[r:r + 1, :n])
@@ -307,10 +313,12 @@ def test_paged_cache_is_read_in_place_bit_for_bit(page_size, s_q, splits, key_fo
         q, kc, vc, cache_seqlens=lengths, causal=True, num_splits=splits, return_lse=True,
         **layout))
 
-  want_out, want_lse = run_on_kernels(call(), q, k_cache, v_cache, expected={key_form.fwd})
+  fwd, on_pages = ((key_form.decode, key_form.paged_decode) if s_q == 1
+                    else (key_form.fwd, key_form.paged))
+  want_out, want_lse = run_on_kernels(call(), q, k_cache, v_cache, expected={fwd})
   paged = call(page_table=table)
-  got_out, got_lse = run_on_kernels(paged, q, k_pool, v_pool, expected={key_form.paged})
-  assert key_form.fwd not in kernel_targets(compiled_text(paged, q, k_pool, v_pool))
+  got_out, got_lse = run_on_kernels(paged, q, k_pool, v_pool, expected={on_pages})
+  assert fwd not in kernel_targets(compiled_text(paged, q, k_pool, v_pool))
   np.testing.assert_array_equal(_bits(got_out), _bits(want_out))
   np.testing.assert_array_equal(np.asarray(got_lse), np.asarray(want_lse))
 
@@ -326,25 +334,25 @@ def test_cache_batch_idx_rows_are_read_in_place_bit_for_bit(key_form):
   lengths = jnp.asarray([1000, 3, 640], jnp.int32)
   picked = jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
       q, kc, vc, cache_seqlens=lengths, cache_batch_idx=rows, causal=True, num_splits=1))
-  got = run_on_kernels(picked, q, k_cache, v_cache, expected={key_form.paged})
+  got = run_on_kernels(picked, q, k_cache, v_cache, expected={key_form.paged_decode})
   want = run_on_kernels(
       jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
           q, kc, vc, cache_seqlens=lengths, causal=True, num_splits=1)),
-      q, k_cache[rows], v_cache[rows], expected={key_form.fwd})
+      q, k_cache[rows], v_cache[rows], expected={key_form.decode})
   np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
 _PAGED_FIRST_CALL = """
 import jax, jax.numpy as jnp, numpy as np
 import jax_fa3
-from kernel_targets import FLASH_FWD_PAGED_ROW_BOUNDS, run_on_kernels
+from kernel_targets import FLASH_FWD_PAGED_DECODE, run_on_kernels
 q = jax.random.normal(jax.random.PRNGKey(0), (2, 1, 8, 128), jnp.float32).astype(jnp.bfloat16)
 pool = jax.random.normal(jax.random.PRNGKey(1), (4, 256, 2, 128), jnp.float32).astype(jnp.bfloat16)
 table = jnp.asarray([[3, 0], [1, 2]], jnp.int32)
 lengths = jnp.asarray([300, 17], jnp.int32)
 out = run_on_kernels(jax.jit(lambda q, kp, vp: jax_fa3.flash_attention_with_kvcache(
     q, kp, vp, cache_seqlens=lengths, page_table=table, num_splits=1)), q, pool, pool,
-    expected={FLASH_FWD_PAGED_ROW_BOUNDS})
+    expected={FLASH_FWD_PAGED_DECODE})
 assert np.all(np.isfinite(np.asarray(out, np.float32)))
 print("paged first call ok")
 """
@@ -352,7 +360,7 @@ print("paged first call ok")
 
 def test_a_paged_cache_can_be_the_first_kernel_call_of_a_process():
   # The paged path picks the kernel by a predicate that registers nothing: the FFI call itself
-  # must register the targets, or XLA finds no handler for jax_fa3_flash_fwd_paged_row_bounds.
+  # must register the targets, or XLA finds no handler for jax_fa3_flash_fwd_paged_decode.
   import pathlib, subprocess, sys  # noqa: E401, PLC0415
   skip_unless_compiled(jnp.zeros((1, 1, 1, 128), jnp.bfloat16))
   tests = pathlib.Path(__file__).resolve().parent
@@ -364,6 +372,71 @@ def test_a_paged_cache_can_be_the_first_kernel_call_of_a_process():
   assert "paged first call ok" in result.stdout
 
 
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_target_pieces_match_the_xla_pieces(d, paged):
+  # The decode targets' results themselves: q (b, 1, h, d) read in place as the g query heads of
+  # each kv head, split-KV pieces of whole key blocks made by the kernel's scheduler (1, 3 and 7
+  # pieces over 5 blocks: with 7, pieces of one block and the last two empty), against
+  # _decode_pieces_xla on the same bf16 values in float32. Outputs are poisoned first, so every
+  # piece, empty ones included (out 0, lse +inf), must be written. GQA 8:2 causal, and MHA with
+  # a left window (exact per piece: the mask is on the row's own key positions). Paged: pages
+  # of one key block, shuffled, read in place.
+  from jax_fa3._config import AttentionConfig  # noqa: PLC0415
+  block = _local_attention.FORWARD_KEY_BLOCK[_local_attention.head_dim_bucket(d)]
+  b, cap = 5, 5 * block
+  lengths = jnp.asarray([cap, 1, block, 3 * block + 7, 0], jnp.int32)
+  for h, h_k, window in [(8, 2, (-1, 0)), (4, 4, (2 * block, -1))]:
+    q = _normal(d + h_k, (b, 1, h, d))
+    k, v = _normal(d + h_k + 1, (b, cap, h_k, d)), _normal(d + h_k + 2, (b, cap, h_k, d))
+    skip_unless_compiled(q)
+    cfg = AttentionConfig(softmax_scale=d ** -0.5, window_left=window[0], window_right=window[1])
+    if paged:
+      (k_pool, table), (v_pool, _) = _shuffled_pages(k, block, d), _shuffled_pages(v, block, d)
+      args, target = (q, k_pool, v_pool, table, lengths, lengths - 1), FLASH_FWD_PAGED_DECODE
+    else:
+      args, target = (q, k, v, lengths, lengths - 1), FLASH_FWD_DECODE
+    f32 = lambda x: x.astype(jnp.float32)
+    for n in (1, 3, 7):
+      local = _cache_attention._decode_local(n, paged)
+      got_out, got_lse = run_on_kernels(jax.jit(lambda *a: local(*a, cfg)), *args,
+                                        expected={target})
+      want_out, want_lse = jax.jit(lambda q, k, v: _cache_attention._decode_pieces_xla(
+          q, k, v, lengths, lengths - 1, cfg, n, block))(f32(q), f32(k), f32(v))
+      where = f"h={h}, h_k={h_k}, window={window}, n={n}"
+      assert got_out.shape == (b, n, h, d) and got_lse.shape == (b, n, h), where
+      got_out, want_out = np.asarray(got_out, np.float32), np.asarray(want_out)
+      got_lse, want_lse = np.asarray(got_lse), np.asarray(want_lse)
+      np.testing.assert_array_equal(np.isposinf(got_lse), np.isposinf(want_lse), where)
+      assert not got_out[np.isposinf(got_lse)].any(), where
+      finite = np.isfinite(want_lse)
+      np.testing.assert_allclose(got_lse[finite], want_lse[finite], atol=2e-3, rtol=0,
+                                 err_msg=where)
+      np.testing.assert_allclose(got_out, want_out, atol=1e-2 * np.abs(want_out).max(), rtol=0,
+                                 err_msg=where)
+
+
+def test_decode_handler_rejects_bad_calls_via_ffi_error():
+  # Two queries per row, split counts outside [1, 1024] and results of the wrong shape, each
+  # refused by name. (The results stay non-empty: XLA drops a call whose results are empty.)
+  for s_q, n, pieces, expected in [(2, 1, 1, "one query per row"),
+                                   (1, 0, 1, "num_splits must be in"),
+                                   (1, 5000, 5000, "num_splits must be in"),
+                                   (1, 2, 3, "shape (b, num_splits, h, d)")]:
+    message = ffi_error_message(f"""
+      q = jnp.ones((2, {s_q}, 8, 128), jnp.bfloat16)
+      k = jnp.ones((2, 256, 2, 128), jnp.bfloat16)
+      call = jax.ffi.ffi_call("jax_fa3_flash_fwd_decode", (
+          jax.ShapeDtypeStruct((2, {pieces}, 8, 128), q.dtype),
+          jax.ShapeDtypeStruct((2, {pieces}, 8), jnp.float32)))
+      result = lambda: call(q, k, k, jnp.zeros((2, 3), jnp.int32),
+                            softmax_scale=np.float32(0.125), softcap=np.float32(0),
+                            window_left=np.int32(-1), window_right=np.int32(0),
+                            num_splits=np.int32({n}))
+    """)
+    assert expected in message, message
+
+
 def test_pages_smaller_than_the_key_block_are_gathered(key_form):
   b, cap, h, h_k, d = 2, 512, 4, 4, 128
   k_cache, v_cache = _normal(80, (b, cap, h_k, d)), _normal(81, (b, cap, h_k, d))
@@ -373,8 +446,8 @@ def test_pages_smaller_than_the_key_block_are_gathered(key_form):
   lengths = jnp.asarray([512, 100], jnp.int32)
   call = jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
       q, kc, vc, cache_seqlens=lengths, page_table=table, num_splits=1))
-  got = run_on_kernels(call, q, k_pool, v_pool, expected={key_form.fwd})
-  assert key_form.paged not in kernel_targets(compiled_text(call, q, k_pool, v_pool))
+  got = run_on_kernels(call, q, k_pool, v_pool, expected={key_form.decode})
+  assert key_form.paged_decode not in kernel_targets(compiled_text(call, q, k_pool, v_pool))
   want = jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
       q, kc, vc, cache_seqlens=lengths, num_splits=1))(q, k_cache, v_cache)
   np.testing.assert_array_equal(_bits(got), _bits(want))
@@ -415,9 +488,10 @@ def test_nan_in_padded_queries_and_keys_stays_out_of_real_rows(key_form):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_split_kv_decode_matches_the_unsplit_call(causal, key_form):
-  # Split-KV (jax_fa3._cache_attention): pieces of a contiguous cache as batch rows of the masked
-  # kernel, merged by lse. The pieces' outputs are rounded to bf16 before the merge, so the
-  # merged out may differ from the unsplit call by a few bf16 roundings of its magnitude.
+  # Split-KV (jax_fa3._cache_attention): pieces of whole key blocks, made by the decode target's
+  # scheduler (or, on the ranges, batch rows of the masked kernel), merged by lse. The pieces'
+  # outputs are rounded to bf16 before the merge, so the merged out may differ from the unsplit
+  # call by a few bf16 roundings of its magnitude.
   b, cap, h, h_k, d = 2, 4096, 16, 2, 128
   k_cache, v_cache = _normal(20, (b, cap, h_k, d)), _normal(21, (b, cap, h_k, d))
   q = _normal(22, (b, 1, h, d))
@@ -428,8 +502,8 @@ def test_split_kv_decode_matches_the_unsplit_call(causal, key_form):
     return jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
         q, kc, vc, cache_seqlens=lengths, causal=causal, num_splits=splits, return_lse=True))
 
-  out1, lse1 = run_on_kernels(call(1), q, k_cache, v_cache, expected={key_form.fwd})
-  out8, lse8 = run_on_kernels(call(8), q, k_cache, v_cache, expected={key_form.fwd})
+  out1, lse1 = run_on_kernels(call(1), q, k_cache, v_cache, expected={key_form.decode})
+  out8, lse8 = run_on_kernels(call(8), q, k_cache, v_cache, expected={key_form.decode})
   out1, out8 = np.asarray(out1, np.float32), np.asarray(out8, np.float32)
   np.testing.assert_allclose(out8, out1, atol=4 * 2**-8 * np.abs(out1).max(), rtol=0)
   np.testing.assert_allclose(np.asarray(lse8), np.asarray(lse1), atol=1e-4, rtol=1e-5)

@@ -21,7 +21,7 @@ import jax_fa3
 from jax_fa3 import _cache_attention
 from ffi_probe import ffi_error_message
 from kernel_build import skip_unless_compiled
-from kernel_targets import (FLASH_FWD_ROW_BOUNDS, SPLIT_KV_COMBINE, compiled_text, kernel_targets,
+from kernel_targets import (FLASH_FWD_DECODE, FLASH_FWD_ROW_BOUNDS, SPLIT_KV_COMBINE, compiled_text, kernel_targets,
                             run_on_kernels)
 
 pytestmark = pytest.mark.gpu
@@ -188,15 +188,15 @@ def test_split_kv_decode_with_the_kernel_merge(monkeypatch, dtype, d, s_q):
   q, k_cache, v_cache = normal(b, s_q, h, d), normal(b, cap, h_k, d), normal(b, cap, h_k, d)
   skip_unless_compiled(q)
   lengths = jnp.asarray([4000, 0, 1300], jnp.int32)
+  fwd = FLASH_FWD_DECODE if s_q == 1 else FLASH_FWD_ROW_BOUNDS
   got, got_lse = run_on_kernels(_decode_step(lengths, splits), q, k_cache, v_cache,
-                                expected={FLASH_FWD_ROW_BOUNDS, SPLIT_KV_COMBINE})
-  one, one_lse = run_on_kernels(_decode_step(lengths, 1), q, k_cache, v_cache,
-                                expected={FLASH_FWD_ROW_BOUNDS})
+                                expected={fwd, SPLIT_KV_COMBINE})
+  one, one_lse = run_on_kernels(_decode_step(lengths, 1), q, k_cache, v_cache, expected={fwd})
   with monkeypatch.context() as m:
     m.setattr(_cache_attention, "combine_kernel_applies", lambda *args: False)
     xla_step = _decode_step(lengths, splits)
     assert SPLIT_KV_COMBINE not in kernel_targets(compiled_text(xla_step, q, k_cache, v_cache))
-    want, want_lse = run_on_kernels(xla_step, q, k_cache, v_cache, expected={FLASH_FWD_ROW_BOUNDS})
+    want, want_lse = run_on_kernels(xla_step, q, k_cache, v_cache, expected={fwd})
   got32, want32 = np.asarray(got, np.float32), np.asarray(want, np.float32)
   assert got.dtype == dtype and not np.isnan(got32).any()
   np.testing.assert_allclose(got32, want32, rtol=float(jnp.finfo(dtype).eps), atol=1e-4)
@@ -222,7 +222,7 @@ def test_default_split_of_a_long_cache_uses_the_kernel_merge(monkeypatch):
   lengths = jnp.asarray([cap - 5], jnp.int32)
   step = _decode_step(lengths, 0)
   got, got_lse = run_on_kernels(step, q, k_cache, v_cache,
-                                expected={FLASH_FWD_ROW_BOUNDS, SPLIT_KV_COMBINE})
+                                expected={FLASH_FWD_DECODE, SPLIT_KV_COMBINE})
   assert kernel_targets(compiled_text(step, q, k_cache, v_cache))[SPLIT_KV_COMBINE] == 1
   with monkeypatch.context() as m:
     m.setattr(_cache_attention, "combine_kernel_applies", lambda *args: False)

@@ -143,8 +143,9 @@ def test_row_bounds_are_the_masks_per_row():
 
 @pytest.mark.parametrize("splits", [1, 2])
 def test_paged_cache_builds_the_paged_call(splits):
+  # Two queries per row: the paged row-bound call, the split's pieces as batch rows.
   b, h, h_k, d, page, pages = 2, 8, 2, 128, 128, 4
-  q = jnp.ones((b, 1, h, d), jnp.bfloat16)
+  q = jnp.ones((b, 2, h, d), jnp.bfloat16)
   pool = jnp.ones((b * pages + 1, page, h_k, d), jnp.bfloat16)
   table = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
   lengths = jnp.asarray([100, 500], jnp.int32)
@@ -153,29 +154,65 @@ def test_paged_cache_builds_the_paged_call(splits):
   calls = _ffi_calls(call, q, pool, pool)
   assert "jax_fa3_flash_fwd_paged" not in calls
   (paged,) = calls["jax_fa3_flash_fwd_paged_row_bounds"]
-  rows = b * splits  # the split's pieces are batch rows; GQA packs 4 query heads per row
-  assert paged[0] == ((rows, h // h_k, h_k, d), q.dtype)
+  rows = b * splits
+  assert paged[0] == ((rows, 2, h, d), q.dtype)
   assert paged[1:3] == [(pool.shape, pool.dtype)] * 2
   assert paged[3:4] == _row_bounds_operand(rows)
   assert paged[4] == ((rows, pages // splits), np.dtype(np.int32))
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_builds_the_decode_call(splits, paged):
+  # One query per row: q, the cache (or pools and the page table) and the row bounds go to the
+  # decode target as they are (GQA and the split are the kernel's), results (b, n, h, d) and
+  # (b, n, h). 3 pieces of a 4-block row: 2 blocks each, the third empty.
+  b, h, h_k, d, page, pages = 2, 8, 2, 128, 128, 4
+  q = jnp.ones((b, 1, h, d), jnp.bfloat16)
+  table = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
+  lengths = jnp.asarray([100, 500], jnp.int32)
+  if paged:
+    cache = jnp.ones((b * pages + 1, page, h_k, d), jnp.bfloat16)
+    options = dict(page_table=table)
+  else:
+    cache = jnp.ones((b, pages * page, h_k, d), jnp.bfloat16)
+    options = {}
+  call = lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
+      q, kc, vc, cache_seqlens=lengths, causal=True, num_splits=splits, **options)
+  calls = _ffi_calls(call, q, cache, cache)
+  target = "jax_fa3_flash_fwd_paged_decode" if paged else "jax_fa3_flash_fwd_decode"
+  assert set(calls) - {"jax_fa3_split_kv_combine"} == {target}  # (the merge: its own tests)
+  (decode,) = calls[target]
+  assert decode[0] == (q.shape, q.dtype)
+  assert decode[1:3] == [(cache.shape, cache.dtype)] * 2
+  assert decode[3:4] == _row_bounds_operand(b)
+  if paged:
+    assert decode[4] == (table.shape, np.dtype(np.int32))
+  eqn = next(e for e in jaxpr_equations(call, q, cache, cache)
+             if e.primitive.name == "ffi_call" and e.params["target_name"] == target)
+  assert [(tuple(v.aval.shape), np.dtype(v.aval.dtype)) for v in eqn.outvars] == [
+      ((b, splits, h, d), q.dtype), ((b, splits, h), np.dtype(np.float32))]
+
+
 def test_vmapped_paged_calls_fold_or_gather():
   # vmap over the queries folds into the batch (one paged call); vmap over the pools themselves
-  # gathers each lane's pages onto the key-range kernel.
+  # gathers each lane's pages onto the contiguous kernel.
   b, h, h_k, d, page, pages, lanes = 2, 4, 4, 128, 128, 2, 3
-  q = jnp.ones((lanes, b, 1, h, d), jnp.bfloat16)
   pool = jnp.ones((b * pages, page, h_k, d), jnp.bfloat16)
   table = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
   lengths = jnp.asarray([100, 200], jnp.int32)
   call = lambda q, kp, vp: jax_fa3.flash_attention_with_kvcache(
       q, kp, vp, cache_seqlens=lengths, page_table=table, num_splits=1)
-  (paged,) = _ffi_calls(jax.vmap(call, in_axes=(0, None, None)), q, pool, pool)[
-      "jax_fa3_flash_fwd_paged_row_bounds"]
-  assert paged[0][0][0] == lanes * b and paged[1][0] == pool.shape
-  assert paged[3] == ((lanes * b, 3), np.dtype(np.int32))
   pools = jnp.ones((lanes,) + pool.shape, jnp.bfloat16)
-  calls = _ffi_calls(jax.vmap(call), q, pools, pools)
-  assert "jax_fa3_flash_fwd_paged_row_bounds" not in calls
-  (gathered,) = calls["jax_fa3_flash_fwd_row_bounds"]
-  assert gathered[1] == ((lanes * b, pages * page, h_k, d), pool.dtype)
+  for s_q, in_place, contiguous in [(2, "jax_fa3_flash_fwd_paged_row_bounds",
+                                     "jax_fa3_flash_fwd_row_bounds"),
+                                    (1, "jax_fa3_flash_fwd_paged_decode",
+                                     "jax_fa3_flash_fwd_decode")]:
+    q = jnp.ones((lanes, b, s_q, h, d), jnp.bfloat16)
+    (paged,) = _ffi_calls(jax.vmap(call, in_axes=(0, None, None)), q, pool, pool)[in_place]
+    assert paged[0][0][0] == lanes * b and paged[1][0] == pool.shape
+    assert paged[3] == ((lanes * b, 3), np.dtype(np.int32))
+    calls = _ffi_calls(jax.vmap(call), q, pools, pools)
+    assert in_place not in calls
+    (gathered,) = calls[contiguous]
+    assert gathered[1] == ((lanes * b, pages * page, h_k, d), pool.dtype)

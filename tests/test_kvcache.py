@@ -94,20 +94,30 @@ def test_pages_read_in_place_match_the_oracle(s_q, s_new, causal, window, num_sp
                                               monkeypatch):
   # The route that reads pages in place on the kernel (_cache_attention.Pages) when the page size
   # suits it, forced here: off the GPU, forward_paged gathers the pages and runs the reference.
-  # Splits cut whole pages (5 becomes 3, a divisor of the 6 pages).
+  # Splits cut whole pages (5 becomes 3, a divisor of the 6 pages). A decode step (one query)
+  # takes the decode op on the pages instead, in pieces of whole key blocks: one piece here,
+  # where the 24 slots are less than one block.
   from jax_fa3 import _cache_attention, _local_attention  # noqa: PLC0415
   monkeypatch.setattr(_local_attention, "paged_in_place", lambda q, page_size: True)
   # A fresh partitioned op, so that its body is traced here rather than found in the jit cache of
   # an earlier case with the same shapes.
   monkeypatch.setattr(_cache_attention, "PAGED_FORWARD",
                       dataclasses.replace(_cache_attention.PAGED_FORWARD))
-  calls = []
+  calls, decode_calls = [], []
   paged = _local_attention.forward_paged
   monkeypatch.setattr(_local_attention, "forward_paged",
                       lambda *a, **kw: calls.append(a[3].shape) or paged(*a, **kw))
+  decode_op = _cache_attention._decode_op
+  monkeypatch.setattr(_cache_attention, "_decode_op",
+                      lambda n, on_pages: decode_calls.append((n, on_pages)) or dataclasses.replace(
+                          decode_op(n, on_pages)))
   _check_against_oracle(s_q, s_new, causal, window, True, num_splits)
+  if s_q == 1:
+    assert calls == [] and decode_calls == [(1, True)], (calls, decode_calls)
+    return
   want_splits = 1 if window[0] >= 0 or num_splits == 1 else 3
   assert calls == [(B * want_splits, CAPACITY // PAGE // want_splits)], calls
+  assert decode_calls == []
 
 
 def _check_against_oracle(s_q, s_new, causal, window, paged, num_splits):
@@ -131,6 +141,53 @@ def _check_against_oracle(s_q, s_new, causal, window, paged, num_splits):
   finite = np.isfinite(ref_lse)
   np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
   np.testing.assert_allclose(np.asarray(lse)[finite], ref_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("h_k,window", [(2, (-1, -1)), (2, (-1, 0)), (8, (100, -1)),
+                                         (8, (300, 40))])
+@pytest.mark.parametrize("num_splits", [2, 4, 9])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_pieces_of_whole_key_blocks(h_k, window, num_splits, paged, monkeypatch):
+  # A decode step over 800 slots at d = 16 (the kernels' key blocks: 160 keys, 5 per row) in
+  # pieces of whole blocks: 2 pieces of 3 blocks, 4 of 2 (the last one past the capacity, empty
+  # for every row), 9 clipped to 5 of one. Rows of 1 to 800 keys after the append, so pieces are
+  # empty, partial or whole; GQA without a left window, MHA with one (a query per row, so any
+  # window is exact per piece). Paged: 160-slot pages read in place (forced; off the GPU the op
+  # gathers them). Float32 against the float64 oracle, 1e-5.
+  from jax_fa3 import _cache_attention, _local_attention  # noqa: PLC0415
+  capacity, block = 800, 160
+  lengths = np.array([0, 1, 159, 160, 479, 799], np.int32)
+  b = len(lengths)
+  rng = np.random.default_rng(num_splits * 10 + h_k)
+  q = _normal(rng, b, 1, H, D)
+  k_cache, v_cache = _normal(rng, b, capacity, h_k, D), _normal(rng, b, capacity, h_k, D)
+  k, v = _normal(rng, b, 1, h_k, D), _normal(rng, b, 1, h_k, D)
+  want_k, want_v = _appended(k_cache, k, lengths), _appended(v_cache, v, lengths)
+  options = dict(window_size=window, num_splits=num_splits, return_lse=True)
+  if paged:
+    monkeypatch.setattr(_local_attention, "paged_in_place", lambda q, page_size: True)
+    pages = capacity // block
+    table = jnp.asarray(rng.permutation(b * pages).reshape(b, pages), jnp.int32)
+    pool = lambda c: jnp.zeros((b * pages, block, h_k, D), c.dtype).at[table.reshape(-1)].set(
+        c.reshape(b * pages, block, h_k, D))
+    k_cache, v_cache = pool(k_cache), pool(v_cache)
+    options["page_table"] = table
+  decode_calls = []
+  decode_op = _cache_attention._decode_op
+  monkeypatch.setattr(_cache_attention, "_decode_op",
+                      lambda n, on_pages: decode_calls.append((n, on_pages)) or dataclasses.replace(
+                          decode_op(n, on_pages)))
+  (out, lse), _, _ = jax.jit(functools.partial(jax_fa3.flash_attention_with_kvcache, **options))(
+      q, k_cache, v_cache, k, v, cache_seqlens=jnp.asarray(lengths))
+  assert decode_calls == [(min(num_splits, capacity // block), paged)], decode_calls
+  outs, lses = [], []
+  for r, n in enumerate(lengths + 1):
+    o, l = attention_oracle(np.asarray(q[r:r + 1], np.float64), want_k[r:r + 1, :n],
+                            want_v[r:r + 1, :n], softmax_scale=D**-0.5, window_left=window[0],
+                            window_right=window[1])
+    outs.append(o[0]), lses.append(l[0])
+  np.testing.assert_allclose(np.asarray(out), np.stack(outs), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(lse), np.stack(lses), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("in_place", [False, True])

@@ -81,7 +81,9 @@ def kernels_faked(monkeypatch):
                                "dtypes": ("bf16", "fp16")})
 
 
-def _decode_case(dtype=jnp.bfloat16, b=3, cap=64, h=8, h_k=2, d=64, seed=0):
+def _decode_case(dtype=jnp.bfloat16, b=3, cap=640, h=8, h_k=2, d=64, seed=0):
+  """A decode step's operands; the default capacity is 4 or 5 of the kernels' key blocks (160
+  keys at d <= 64, 128 at d = 128), so that it splits into up to that many pieces."""
   rng = np.random.default_rng(seed)
   normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
   lengths = jnp.asarray([cap, 0, 17][:b] + [cap // 2] * max(0, b - 3), jnp.int32)
@@ -131,31 +133,29 @@ def test_the_kernel_takes_its_dtypes_and_head_dims(kernels_faked, dtype, d, appl
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_decode_builds_one_combine_call(kernels_faked, dtype):
-  # GQA packs the 4 query heads of each kv head into 4 query rows: pieces (b * 4, 4, 2, d).
+  # The decode step's pieces (b, n, h, d) merge as (b * n) rows of one query: no transpose.
   b, n, h, h_k, d = 3, 4, 8, 2, 64
   q, k_cache, v_cache, lengths = _decode_case(dtype, b=b, h=h, h_k=h_k, d=d)
   ((operands, results),) = _combine_calls(_decoder(), q, k_cache, v_cache, lengths)
-  rows, heads = h // h_k, h_k
-  assert operands == [((b * n, rows, heads, d), np.dtype(dtype)),
-                      ((b * n, heads, rows), np.dtype(np.float32))]
-  assert results == [((b, rows, heads, d), np.dtype(dtype)),
-                     ((b, heads, rows), np.dtype(np.float32))]
+  assert operands == [((b * n, 1, h, d), np.dtype(dtype)),
+                      ((b * n, h, 1), np.dtype(np.float32))]
+  assert results == [((b, 1, h, d), np.dtype(dtype)), ((b, h, 1), np.dtype(np.float32))]
   # vmap folds into the batch rows: one call over lanes * b rows.
   lanes = 2
   stack = lambda x: jnp.stack([x] * lanes)
   ((operands, results),) = _combine_calls(jax.vmap(_decoder()), *map(stack, (q, k_cache, v_cache,
                                                                            lengths)))
-  assert operands[0][0] == (lanes * b * n, rows, heads, d)
-  assert results[0][0] == (lanes * b, rows, heads, d)
+  assert operands[0][0] == (lanes * b * n, 1, h, d)
+  assert results[0][0] == (lanes * b, 1, h, d)
 
 
 def test_gpu_decode_program_calls_the_combine_once(kernels_faked):
   """The decode step a Hopper GPU would run, lowered for platform CUDA (jax.export; nothing
   runs): the merge is one jax_fa3_split_kv_combine call, vmapped or not, and no XLA merge; the
-  pieces are attended by the row-bound forward, so no key ranges are built."""
+  pieces come from one decode-target call, so no key ranges are built."""
   checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in
             ("jax_fa3_flash_fwd_key_ranges", "jax_fa3_flash_fwd_row_bounds",
-             "jax_fa3_flash_fwd_paged", SPLIT_KV_COMBINE)]
+             "jax_fa3_flash_fwd_paged", "jax_fa3_flash_fwd_decode", SPLIT_KV_COMBINE)]
   q, k_cache, v_cache, lengths = _decode_case(jnp.bfloat16, d=128, seed=5)
 
   def lowered(fn, *args):
@@ -164,8 +164,9 @@ def test_gpu_decode_program_calls_the_combine_once(kernels_faked):
 
   text = lowered(_decoder(), q, k_cache, v_cache, lengths)
   assert text.count(f"@{SPLIT_KV_COMBINE}(") == 1
-  assert text.count("@jax_fa3_flash_fwd_row_bounds(") == 1
+  assert text.count("@jax_fa3_flash_fwd_decode(") == 1
   assert "@jax_fa3_flash_fwd_key_ranges(" not in text
+  assert "@jax_fa3_flash_fwd_row_bounds(" not in text
   assert "stablehlo.exponential" not in text  # the XLA merge's exp: not lowered for CUDA
   stack = lambda x: jnp.stack([x, x])
   text = lowered(jax.vmap(_decoder()), *map(stack, (q, k_cache, v_cache, lengths)))
@@ -198,7 +199,7 @@ def test_batch_and_head_shards_merge_on_their_devices(kernels_faked):
   """Batch rows and kv heads sharded: the partitioned merge runs on each device's pieces, no
   collective (an opaque FFI call would have its operands gathered), the one-device values."""
   mesh = make_mesh((2, 2, 2), ("data", "model", "other"), "auto")
-  q, k_cache, v_cache, lengths = _decode_case(jnp.float32, b=4, cap=32, h=4, h_k=2, d=16, seed=3)
+  q, k_cache, v_cache, lengths = _decode_case(jnp.float32, b=4, cap=320, h=4, h_k=2, d=16, seed=3)
   specs = [P("data", None, "model"), P("data", None, "model"), P("data", None, "model"),
            P("data")]
   fn = _decoder(splits=2)
