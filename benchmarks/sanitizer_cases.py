@@ -15,7 +15,10 @@ fused rotate + quantize pass of q runs too, checked against the XLA path, and so
 call from floats (`flash_attention_fp8`: v quantized straight into the kernel's V layout).
 --fp8-backward adds `jax.grad` of `flash_attention_fp8(..., backward="fp8")` at d = 64 and 128
 (the fp8 backward kernel, its operand preparation and the rotation back), checked against the
-same call's pure-JAX emulation on the CPU.
+same call's pure-JAX emulation on the CPU. --decode adds decode steps over a KV cache (the decode
+targets: q read heads-major, split-KV pieces of whole key blocks, empty ones included, then the
+combine), contiguous and paged, GQA causal and MHA with a left window, checked against the same
+call on float32 inputs (the pure-JAX path).
 """
 import argparse
 import itertools
@@ -120,6 +123,29 @@ def run_fp8_backward_case(d, b, s_q, s_k, h, h_k, causal, window):
   return {name: _rel(g, w) for name, g, w in zip(("dq", "dk", "dv"), got, want)}
 
 
+def run_decode_case(d, paged, splits, h, h_k, window):
+  from jax_fa3 import _local_attention  # noqa: PLC0415
+  block = _local_attention.FORWARD_KEY_BLOCK[_local_attention.head_dim_bucket(d)]
+  b, cap = 3, 5 * block
+  keys = jax.random.split(jax.random.PRNGKey(d + splits), 3)
+  q = jax.random.normal(keys[0], (b, 1, h, d), jnp.float32).astype(jnp.bfloat16)
+  k = jax.random.normal(keys[1], (b, cap, h_k, d), jnp.float32).astype(jnp.bfloat16)
+  v = jax.random.normal(keys[2], (b, cap, h_k, d), jnp.float32).astype(jnp.bfloat16)
+  lengths = jnp.asarray([cap, 1, 2 * block + 3], jnp.int32)
+  options = dict(cache_seqlens=lengths, window_size=window, num_splits=splits)
+  if paged:  # pages of one key block, in reverse order
+    pages = b * 5
+    table = jnp.arange(pages, dtype=jnp.int32)[::-1].reshape(b, 5)
+    as_pool = lambda c: jnp.zeros((pages, block, h_k, d), c.dtype).at[table.reshape(-1)].set(
+        c.reshape(pages, block, h_k, d))
+    k, v = as_pool(k), as_pool(v)
+    options["page_table"] = table
+  call = jax.jit(lambda q, k, v: jax_fa3.flash_attention_with_kvcache(q, k, v, **options))
+  out = call(q, k, v)
+  ref = call(*(x.astype(jnp.float32) for x in (q, k, v)))
+  return {"out": _rel(out, ref)}
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--head-dims", default="64,128,256")
@@ -127,6 +153,8 @@ def main(argv=None):
   parser.add_argument("--no-fp8", action="store_true", help="skip the fp8 forward cases")
   parser.add_argument("--fp8-backward", action="store_true",
                       help="also jax.grad of flash_attention_fp8(backward='fp8') at d = 64, 128")
+  parser.add_argument("--decode", action="store_true",
+                      help="also decode steps over a KV cache (split-KV, paged)")
   args = parser.parse_args(argv)
   tol = 2e-2
   failed = 0
@@ -155,6 +183,16 @@ def main(argv=None):
       ok = all(np.isfinite(e) and e < tol for e in errors.values())
       failed += not ok
       print(f"fp8 backward d={d} case={case[:-1]}: "
+            + " ".join(f"{k}={v:.2e}" for k, v in errors.items()), "ok" if ok else "FAILED",
+            flush=True)
+  if args.decode:
+    heads = [(8, 2, (-1, 0)), (4, 4, (200, -1))]
+    for d, paged, splits, (h, h_k, window) in itertools.product(
+        [int(x) for x in args.head_dims.split(",")], (False, True), (1, 3, 9), heads):
+      errors = run_decode_case(d, paged, splits, h, h_k, window)
+      ok = all(np.isfinite(e) and e < tol for e in errors.values())
+      failed += not ok
+      print(f"decode d={d} paged={paged} splits={splits} h={h} h_k={h_k} window={window}: "
             + " ".join(f"{k}={v:.2e}" for k, v in errors.items()), "ok" if ok else "FAILED",
             flush=True)
   print(f"sanitizer cases: {failed} failed", flush=True)
