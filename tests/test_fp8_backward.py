@@ -5,6 +5,7 @@ kernel's algorithm."""
 import functools
 
 import jax
+import jax.export  # a submodule JAX 0.6 does not import with jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np

@@ -4,6 +4,7 @@ Hopper GPU would run, traced and lowered here with the kernels faked present: on
 jax_fa3_split_kv_combine call per decode step, vmap folded into it, batch and head shards merged
 on their devices. tests/test_gpu_split_kv_combine.py runs the kernel itself."""
 import jax
+import jax.export  # a submodule JAX 0.6 does not import with jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
