@@ -219,6 +219,7 @@ def _merge(out, lse, b, n, out_dtype):
 # in the grouped view (g = h / h_k query rows per kv head), results (b, n, h, d) and (b, n, h).
 DECODE_TARGET = "jax_fa3_flash_fwd_decode"
 PAGED_DECODE_TARGET = "jax_fa3_flash_fwd_paged_decode"
+MAX_DECODE_SPLITS = 1024  # the decode handlers' limit (kMaxDecodeSplits, cuda/ffi/flash_fwd_ffi.cc)
 
 
 def decode_applies(q, h_k: int, cfg: AttentionConfig, paged: bool) -> bool:
@@ -239,11 +240,11 @@ def decode_applies(q, h_k: int, cfg: AttentionConfig, paged: bool) -> bool:
 def decode_splits(requested: int, b: int, kv_heads: int, capacity: int, key_block: int,
                   on_kernels: bool) -> int:
   """Pieces per row for a decode step: each is ceil(key blocks / n) whole blocks of
-  `key_block` keys, so any count up to the row's key blocks works. `requested` 0: on the
-  kernels, the count with the fewest rounds of the longest pieces on the persistent grid (tiles
-  b * kv_heads * n, each its piece's keys plus TILE_OVERHEAD_KEYS; pieces of at least
-  MIN_KEYS_PER_SPLIT keys; ties to fewer pieces), elsewhere 1."""
-  blocks = max(1, -(-capacity // key_block))
+  `key_block` keys, so any count up to the row's key blocks (and MAX_DECODE_SPLITS) works.
+  `requested` 0: on the kernels, the count with the fewest rounds of the longest pieces on the
+  persistent grid (tiles b * kv_heads * n, each its piece's keys plus TILE_OVERHEAD_KEYS; pieces
+  of at least MIN_KEYS_PER_SPLIT keys; ties to fewer pieces), elsewhere 1."""
+  blocks = max(1, min(-(-capacity // key_block), MAX_DECODE_SPLITS))
   if requested > 0:
     return min(requested, blocks)
   if not on_kernels:

@@ -415,3 +415,21 @@ def test_split_and_packing_choices():
   assert on_h200(1, 1 << 15) == 32 and on_h200(1, 1 << 17) == 32
   assert on_h200(8, 1 << 15) == 4 and on_h200(64, 1 << 15) == 1
   assert on_h200(1, 1 << 15, unit=4096) == 8  # whole pages: a divisor of the 8 pages
+
+
+def test_decode_split_choices(monkeypatch):
+  """A decode step's pieces are runs of whole key blocks: any count up to the key blocks (and
+  the handlers' limit), chosen on the kernels to fill the SMs in one round."""
+  from jax_fa3 import _cache_attention  # noqa: PLC0415
+  splits = _cache_attention.decode_splits
+  assert splits(3, 1, 4, 800, 160, False) == 3    # not a divisor of the 5 blocks
+  assert splits(9, 1, 4, 800, 160, False) == 5    # at most one piece per block
+  assert splits(0, 1, 4, 800, 160, False) == 1    # off the kernels
+  assert splits(5000, 1, 1, 1 << 20, 128, True) == _cache_attention.MAX_DECODE_SPLITS
+  monkeypatch.setattr(_cache_attention, "_sm_count", lambda: 132)
+  # b = 1, 4 kv heads, 32k keys on 132 SMs: 32 pieces of 8 blocks (128 tiles, one round); b = 8:
+  # four pieces (128 tiles); b = 64 (256 tiles already): none.
+  assert splits(0, 1, 4, 1 << 15, 128, True) == 32
+  assert splits(0, 8, 4, 1 << 15, 128, True) == 4
+  assert splits(0, 64, 4, 1 << 15, 128, True) == 1
+  assert splits(0, 1, 4, 1000, 128, True) == 1    # pieces of at least MIN_KEYS_PER_SPLIT keys
