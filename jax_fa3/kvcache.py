@@ -138,9 +138,9 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
     num_splits: how many pieces to cut each row's cache into, attended in parallel and merged
       by their log-sum-exp (split-KV decoding). 0: chosen to fill the GPU on the kernels (1
       elsewhere). One query per row (decoding): pieces of ceil(key blocks / num_splits) whole
-      key blocks of the kernel (at most one piece per block, and 1024), any window. Several queries:
-      rounded down to a divisor of the capacity; 1 with a left window or a right window > 0.
-      The result depends on it only through rounding.
+      key blocks of the kernel (at most one piece per block, and 1024), any window. Several
+      queries: rounded down to a divisor of the capacity; 1 with a left window or a right
+      window > 0. The result depends on it only through rounding.
     return_lse: also return the float32 (batch, heads, seqlen_q) log-sum-exp.
     block_size: FP8 caches: slots per scale (default 64, quantize_fp8's). An append re-quantizes
       the blocks it writes into (their scale from their new contents); the others keep their
