@@ -244,9 +244,9 @@ def decode_splits(requested: int, b: int, kv_heads: int, capacity: int, key_bloc
   `requested` 0: on the kernels, the count with the fewest rounds of the longest pieces on the
   persistent grid (tiles b * kv_heads * n, each its piece's keys plus TILE_OVERHEAD_KEYS; pieces
   of at least MIN_KEYS_PER_SPLIT keys; ties to fewer pieces), elsewhere 1."""
-  blocks = max(1, min(-(-capacity // key_block), MAX_DECODE_SPLITS))
+  blocks = max(1, -(-capacity // key_block))
   if requested > 0:
-    return min(requested, blocks)
+    return min(requested, blocks, MAX_DECODE_SPLITS)
   if not on_kernels:
     return 1
   ctas = _sm_count()
@@ -255,7 +255,7 @@ def decode_splits(requested: int, b: int, kv_heads: int, capacity: int, key_bloc
     rounds = -(-b * kv_heads * n // ctas)
     return rounds * (-(-blocks // n) * key_block + TILE_OVERHEAD_KEYS)
 
-  most = max(1, min(blocks, capacity // MIN_KEYS_PER_SPLIT))
+  most = max(1, min(blocks, MAX_DECODE_SPLITS, capacity // MIN_KEYS_PER_SPLIT))
   return min(range(1, most + 1), key=lambda n: (cost(n), n))
 
 
