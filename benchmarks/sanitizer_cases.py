@@ -125,7 +125,7 @@ def run_fp8_backward_case(d, b, s_q, s_k, h, h_k, causal, window):
 
 def run_decode_case(d, paged, splits, h, h_k, window):
   from jax_fa3 import _local_attention  # noqa: PLC0415
-  block = _local_attention.FORWARD_KEY_BLOCK[_local_attention.head_dim_bucket(d)]
+  block = _local_attention.forward_key_block(d)
   b, cap = 3, 5 * block
   keys = jax.random.split(jax.random.PRNGKey(d + splits), 3)
   q = jax.random.normal(keys[0], (b, 1, h, d), jnp.float32).astype(jnp.bfloat16)

@@ -68,18 +68,24 @@ class Pages(NamedTuple):
     return self.k_pool.shape[1]
 
 
-def _fastest_split(tiles: int, capacity: int, units: int, num_ctas: int) -> int:
-  """The divisor n of `units` (pieces of at least MIN_KEYS_PER_SPLIT keys) that minimises the
-  forward kernel's time: its persistent grid (one CTA per SM) runs tiles * n tiles in rounds of
-  num_ctas, each round as long as a tile, capacity / n keys plus TILE_OVERHEAD_KEYS; ties go to
-  fewer pieces (less to merge)."""
+def _fewest_rounds(tiles: int, candidates, piece_keys, num_ctas: int) -> int:
+  """The piece count n among `candidates` that minimises the forward kernel's time: its
+  persistent grid (one CTA per SM) runs tiles * n tiles in rounds of num_ctas, each round as
+  long as a tile, piece_keys(n) keys plus TILE_OVERHEAD_KEYS; ties go to fewer pieces (less to
+  merge)."""
   def cost(n):
     rounds = -(-tiles * n // num_ctas)
-    return rounds * (capacity / n + TILE_OVERHEAD_KEYS)
+    return rounds * (piece_keys(n) + TILE_OVERHEAD_KEYS)
 
+  return min(candidates, key=lambda n: (cost(n), n))
+
+
+def _fastest_split(tiles: int, capacity: int, units: int, num_ctas: int) -> int:
+  """_fewest_rounds over the divisors n of `units` (pieces of capacity / n keys, at least
+  MIN_KEYS_PER_SPLIT)."""
   most = max(1, min(units, capacity // MIN_KEYS_PER_SPLIT))
   candidates = [n for n in range(1, most + 1) if units % n == 0]
-  return min(candidates, key=lambda n: (cost(n), n))
+  return _fewest_rounds(tiles, candidates, lambda n: capacity / n, num_ctas)
 
 
 def num_splits(requested: int, b: int, rows: int, heads: int, capacity: int,
@@ -249,14 +255,16 @@ def decode_splits(requested: int, b: int, kv_heads: int, capacity: int, key_bloc
     return min(requested, blocks, MAX_DECODE_SPLITS)
   if not on_kernels:
     return 1
-  ctas = _sm_count()
-
-  def cost(n):
-    rounds = -(-b * kv_heads * n // ctas)
-    return rounds * (-(-blocks // n) * key_block + TILE_OVERHEAD_KEYS)
-
   most = max(1, min(blocks, MAX_DECODE_SPLITS, capacity // MIN_KEYS_PER_SPLIT))
-  return min(range(1, most + 1), key=lambda n: (cost(n), n))
+  return _fewest_rounds(b * kv_heads, range(1, most + 1),
+                        lambda n: _decode_piece_keys(capacity, key_block, n), _sm_count())
+
+
+def _decode_piece_keys(capacity: int, key_block: int, n: int) -> int:
+  """Keys per piece when a row of `capacity` keys is cut into n pieces of whole key blocks (the
+  decode kernels' split_keys, cuda/flash_fwd/launch.h)."""
+  blocks = max(1, -(-capacity // key_block))
+  return -(-blocks // n) * key_block
 
 
 def _decode_pieces_xla(q, keys, values, lengths, diagonal, cfg: AttentionConfig, n: int,
@@ -266,7 +274,7 @@ def _decode_pieces_xla(q, keys, values, lengths, diagonal, cfg: AttentionConfig,
   cut), each attended with the row's own mask: out (b, n, h, d) in q's dtype, lse (b, n, h)."""
   b, _, h, d = q.shape
   capacity = keys.shape[1]
-  piece = -(-max(1, -(-capacity // key_block)) // n) * key_block
+  piece = _decode_piece_keys(capacity, key_block, n)
   pad = ((0, 0), (0, n * piece - capacity), (0, 0), (0, 0))
   keys = jnp.pad(keys, pad).reshape((b * n, piece) + keys.shape[2:])
   values = jnp.pad(values, pad).reshape((b * n, piece) + values.shape[2:])
@@ -322,7 +330,7 @@ def _decode_local(n: int, paged: bool):
   def local(*arrays_and_cfg):
     *arrays, cfg = arrays_and_cfg
     q = arrays[0]
-    key_block = _local_attention.FORWARD_KEY_BLOCK[_local_attention.head_dim_bucket(q.shape[-1])]
+    key_block = _local_attention.forward_key_block(q.shape[-1])
 
     def xla(q, *rest):
       *cache, lengths, diagonal = rest
@@ -363,7 +371,7 @@ def _decode(q, keys, values, lengths, cfg: AttentionConfig, return_lse: bool,
   else:
     capacity, h_k = keys.shape[1], keys.shape[2]
     cache = (keys, values)
-  key_block = _local_attention.FORWARD_KEY_BLOCK[_local_attention.head_dim_bucket(d)]
+  key_block = _local_attention.forward_key_block(d)
   target = PAGED_DECODE_TARGET if paged else DECODE_TARGET
   on_kernels = _local_attention.masked_kernels_would_run(q) and _ffi.has_target(target)
   n = decode_splits(requested_splits, b, h_k, capacity, key_block, on_kernels)

@@ -257,11 +257,16 @@ PAGED_BOUNDS_TARGET = "jax_fa3_flash_fwd_paged_row_bounds"
 FORWARD_KEY_BLOCK = {64: 160, 96: 144, 128: 128, 192: 112, 256: 80}
 
 
+def forward_key_block(head_dim: int) -> int:
+  """Keys per K/V block of the key-range forward kernel at this head dim."""
+  return FORWARD_KEY_BLOCK[head_dim_bucket(head_dim)]
+
+
 def paged_in_place(q, page_size: int) -> bool:
   """Whether a paged cache with pages of `page_size` keys is read in place on the kernel for q
   (nothing announced)."""
   return (masked_kernels_would_run(q) and _ffi.has_target(PAGED_TARGET)
-          and page_size % FORWARD_KEY_BLOCK[head_dim_bucket(q.shape[-1])] == 0)
+          and page_size % forward_key_block(q.shape[-1]) == 0)
 
 
 def gather_pages(pool, table):

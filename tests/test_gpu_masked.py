@@ -383,7 +383,7 @@ def test_decode_target_pieces_match_the_xla_pieces(d, paged):
   # a left window (exact per piece: the mask is on the row's own key positions). Paged: pages
   # of one key block, shuffled, read in place.
   from jax_fa3._config import AttentionConfig  # noqa: PLC0415
-  block = _local_attention.FORWARD_KEY_BLOCK[_local_attention.head_dim_bucket(d)]
+  block = _local_attention.forward_key_block(d)
   b, cap = 5, 5 * block
   lengths = jnp.asarray([cap, 1, block, 3 * block + 7, 0], jnp.int32)
   for h, h_k, window in [(8, 2, (-1, 0)), (4, 4, (2 * block, -1))]:

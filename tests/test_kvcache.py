@@ -73,6 +73,17 @@ def _unpage(pool, table):
   return np.stack([np.concatenate([pool[p] for p in row]) for row in table])
 
 
+def _record_decode_ops(monkeypatch) -> list:
+  """The (pieces, paged) of every decode op built from here on; each op is a fresh copy, so its
+  body is traced here rather than found in the jit cache of an earlier case."""
+  from jax_fa3 import _cache_attention  # noqa: PLC0415
+  built, decode_op = [], _cache_attention._decode_op
+  monkeypatch.setattr(_cache_attention, "_decode_op",
+                      lambda n, on_pages: built.append((n, on_pages)) or dataclasses.replace(
+                          decode_op(n, on_pages)))
+  return built
+
+
 @pytest.mark.parametrize("s_q,s_new,causal,window", [
     (1, 1, False, (-1, -1)),   # decode: one query, one appended token
     (1, 0, False, (-1, -1)),   # attend to the cache as it is
@@ -103,14 +114,11 @@ def test_pages_read_in_place_match_the_oracle(s_q, s_new, causal, window, num_sp
   # an earlier case with the same shapes.
   monkeypatch.setattr(_cache_attention, "PAGED_FORWARD",
                       dataclasses.replace(_cache_attention.PAGED_FORWARD))
-  calls, decode_calls = [], []
+  calls = []
   paged = _local_attention.forward_paged
   monkeypatch.setattr(_local_attention, "forward_paged",
                       lambda *a, **kw: calls.append(a[3].shape) or paged(*a, **kw))
-  decode_op = _cache_attention._decode_op
-  monkeypatch.setattr(_cache_attention, "_decode_op",
-                      lambda n, on_pages: decode_calls.append((n, on_pages)) or dataclasses.replace(
-                          decode_op(n, on_pages)))
+  decode_calls = _record_decode_ops(monkeypatch)
   _check_against_oracle(s_q, s_new, causal, window, True, num_splits)
   if s_q == 1:
     assert calls == [] and decode_calls == [(1, True)], (calls, decode_calls)
@@ -154,7 +162,7 @@ def test_decode_pieces_of_whole_key_blocks(h_k, window, num_splits, paged, monke
   # empty, partial or whole; GQA without a left window, MHA with one (a query per row, so any
   # window is exact per piece). Paged: 160-slot pages read in place (forced; off the GPU the op
   # gathers them). Float32 against the float64 oracle, 1e-5.
-  from jax_fa3 import _cache_attention, _local_attention  # noqa: PLC0415
+  from jax_fa3 import _local_attention  # noqa: PLC0415
   capacity, block = 800, 160
   lengths = np.array([0, 1, 159, 160, 479, 799], np.int32)
   b = len(lengths)
@@ -172,11 +180,7 @@ def test_decode_pieces_of_whole_key_blocks(h_k, window, num_splits, paged, monke
         c.reshape(b * pages, block, h_k, D))
     k_cache, v_cache = pool(k_cache), pool(v_cache)
     options["page_table"] = table
-  decode_calls = []
-  decode_op = _cache_attention._decode_op
-  monkeypatch.setattr(_cache_attention, "_decode_op",
-                      lambda n, on_pages: decode_calls.append((n, on_pages)) or dataclasses.replace(
-                          decode_op(n, on_pages)))
+  decode_calls = _record_decode_ops(monkeypatch)
   (out, lse), _, _ = jax.jit(functools.partial(jax_fa3.flash_attention_with_kvcache, **options))(
       q, k_cache, v_cache, k, v, cache_seqlens=jnp.asarray(lengths))
   assert decode_calls == [(min(num_splits, capacity // block), paged)], decode_calls
