@@ -18,6 +18,7 @@ Two times per call:
               hoist): what a compiled decoding step pays, with no host round trip per call.
 
   python benchmarks/bench_decode.py [--batches 1,8,64] [--caches 1024,8192,32768,131072]
+                                    [--peers jax_fa3,cudnn]
 """
 from __future__ import annotations
 
@@ -92,7 +93,15 @@ def _peers():
   return peers
 
 
-def run(batches, caches, min_time):
+def run(batches, caches, min_time, peer_names=None):
+  """peer_names: the peers of _peers() to time (None: all); the first one timed gives the
+  reference output the others' max_abs_diff is taken against."""
+  peers = _peers()
+  unknown = sorted(set(peer_names or ()) - set(peers))
+  if unknown:
+    raise ValueError(f"--peers: unknown peers {unknown}; known: {sorted(peers)}")
+  if peer_names:
+    peers = {name: peers[name] for name in peer_names}
   rows = []
   for b in batches:
     for s in caches:
@@ -103,7 +112,7 @@ def run(batches, caches, min_time):
       new = [jax.random.normal(kn, (b, 1, KV_HEADS, D), jnp.float32).astype(jnp.bfloat16)] * 2
       cache_bytes = b * s * KV_HEADS * D * 2 * 2
       reference = None
-      for name, (fn, appends) in _peers().items():
+      for name, (fn, appends) in peers.items():
 
         def measure(row, fn=fn, appends=appends):
           nonlocal reference
@@ -159,6 +168,8 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batches", default="1,8,64")
   parser.add_argument("--caches", default="1024,8192,32768,131072")
+  parser.add_argument("--peers", default="",
+                      help="comma-separated peers to time (default: all)")
   parser.add_argument("--min-time", type=float, default=0.2)
   parser.add_argument("--json", default="bench_decode.json")
   args = parser.parse_args()
@@ -166,7 +177,7 @@ def main():
   print(json.dumps(header))
   copy_gbs = copy_bandwidth(args.min_time) / 1e9
   rows = run([int(x) for x in args.batches.split(",")], [int(x) for x in args.caches.split(",")],
-             args.min_time)
+             args.min_time, [p for p in args.peers.split(",") if p] or None)
   with open(args.json, "w") as f:
     json.dump(dict(header=header, copy_gb_per_s=copy_gbs, rows=rows), f, indent=1)
   print(f"\n{header}\ndecode, one query per row, d={D}, {HEADS} heads / {KV_HEADS} kv heads\n"

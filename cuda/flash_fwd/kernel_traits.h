@@ -25,6 +25,8 @@ using namespace cute;
 //         FA3's 176 spilled ~230 B here with the overlapped mainloop: S 88 + P 44 + O 64 live)
 //   d192: 128x112 -> 48K + 2*2*42K  = 216 KB   S 56 + O 96
 //   d256: 128x80  -> 64K + 2*2*40K  = 224 KB   S 40 + O 128
+constexpr int kSmemLimitBytes = 232448;  // 227 KB: the per-block shared-memory limit
+
 template <int kHeadDim> struct BlockN {
   static constexpr int value = forward_key_block(kHeadDim);  // common/buckets.h
 };
@@ -47,14 +49,14 @@ constexpr auto smem_atom_k_major() {
 // fp8/traits.h): the tile, the threads (one producer warpgroup and one consumer warpgroup per 64
 // rows), S = Q K^T, the shared-memory layouts of Q and K and the TMA byte counts. The mbarriers
 // are declared in each SharedStorage by JAX_FA3_FWD_PIPELINE_BARRIERS (below).
-template <int kHeadDim_, typename Element_, int kBlockM_, int kBlockN_>
+template <int kHeadDim_, typename Element_, int kBlockM_, int kBlockN_, int kStages_ = 2>
 struct ForwardTraitsBase {
   using Element = Element_;
   using ElementAccum = float;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kStages = 2;
+  static constexpr int kStages = kStages_;
   static constexpr int kNumConsumerWarpGroups = kBlockM / 64;
   static constexpr int kNumThreads = 128 * (kNumConsumerWarpGroups + 1);  // + producer WG
   static constexpr int kNumConsumerThreads = 128 * kNumConsumerWarpGroups;
@@ -100,11 +102,12 @@ struct ForwardTraitsBase {
 // kKeyRanges_: the masked variant, reading per-query key ranges (common/key_ranges.h) in place of
 // the window; a separate instantiation, so that the whole-row kernel's code stays free of them.
 // kBlockN_: the bucket's key block, or a narrower one for short masked problems (launch.h).
-// kBlockM_: 128 rows (two consumer warpgroups, 240 registers each) or 192 (three, 160 each).
+// kBlockM_: 128 rows (two consumer warpgroups, 240 registers each) or 192 (three, 160 each), or
+// the decode tile: 64 rows (one consumer warpgroup) with kStages_ K/V stages (DecodeStages).
 template <int kHeadDim_, typename Element_, bool kKeyRanges_ = false,
-          int kBlockN_ = BlockN<kHeadDim_>::value, int kBlockM_ = 128>
-struct KernelTraits : ForwardTraitsBase<kHeadDim_, Element_, kBlockM_, kBlockN_> {
-  using Base = ForwardTraitsBase<kHeadDim_, Element_, kBlockM_, kBlockN_>;
+          int kBlockN_ = BlockN<kHeadDim_>::value, int kBlockM_ = 128, int kStages_ = 2>
+struct KernelTraits : ForwardTraitsBase<kHeadDim_, Element_, kBlockM_, kBlockN_, kStages_> {
+  using Base = ForwardTraitsBase<kHeadDim_, Element_, kBlockM_, kBlockN_, kStages_>;
   using typename Base::Element, typename Base::ElementAccum;
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kNumConsumerWarpGroups, Base::kStages;
   using ElementOut = Element;  // O is written in the input type (fp8: Fp8KernelTraits)
@@ -114,8 +117,10 @@ struct KernelTraits : ForwardTraitsBase<kHeadDim_, Element_, kBlockM_, kBlockN_>
   // therefore run the plain order S -> softmax -> PV, where S turns into P in place.
   // 192 rows (three warpgroups at 160 registers) fit only d64 with 128-key blocks and the
   // overlap: S 64 + P 32 + O 32, no spill; 160-key blocks spill 284 bytes (ptxas, 2026-12-05).
-  static_assert(kBlockM == 128 || (kBlockM == 192 && kHeadDim == 64 && kBlockN <= 128),
-                "two consumer warpgroups, or three at d64 with at most 128-key blocks");
+  static_assert(kBlockM == 128 || (kBlockM == 192 && kHeadDim == 64 && kBlockN <= 128) ||
+                    (kBlockM == 64 && kKeyRanges_),
+                "two consumer warpgroups, three at d64 with at most 128-key blocks, or the "
+                "decode tile (key ranges)");
   static constexpr bool kIntraWgOverlap = kHeadDim <= 128;
   // Skipping O's rescale when no max changed (softmax.h) measured 614-618 TFLOP/s at d256 8k
   // against 632-635 without it (H200, 2026-12-01): always rescale here.
@@ -128,11 +133,12 @@ struct KernelTraits : ForwardTraitsBase<kHeadDim_, Element_, kBlockM_, kBlockN_>
   // PV issued k-step by k-step under the exp2 pass (fp8/traits.h): d256 606-610 TFLOP/s vs
   // 622-623 without (kernel alone, 8k, H200, 2026-12-01): the ping-pong turns instead.
   static constexpr bool kPipelinedPv = false;
-  static constexpr bool kPingPong = true;
+  // One consumer warpgroup (the decode tile) has no one to take turns with.
+  static constexpr bool kPingPong = kNumConsumerWarpGroups > 1;
   static constexpr bool kTailSplit = false;  // fp8/tail_split.h: fp8 kernels only
   static constexpr bool kKeyRanges = kKeyRanges_;
   // setmaxnreg budget: 128 * (24 + 2 * 240) = 64512 <= 65536 registers per SM; three
-  // warpgroups: 128 * (24 + 3 * 160) = 64512.
+  // warpgroups: 128 * (24 + 3 * 160) = 64512; one (the decode tile): 240 is all its fragments need.
   static constexpr int kConsumerRegs = kNumConsumerWarpGroups == 3 ? 160 : 240;
 
   static_assert(kBlockN % 16 == 0, "kBlockN is the K of the PV wgmma (k16 steps)");
@@ -178,7 +184,25 @@ struct KernelTraits : ForwardTraitsBase<kHeadDim_, Element_, kBlockM_, kBlockN_>
     }
   }
   static constexpr int kSmemBytes = sizeof(SharedStorage);
-  static_assert(kSmemBytes <= 232448, "shared memory over the 227 KB per-block limit");
+  static_assert(kSmemBytes <= kSmemLimitBytes, "shared memory over the 227 KB per-block limit");
 };
+
+// The decode tile (launch.h): a decode step's query rows are a kv head's g query heads (usually
+// 4-16), so a 128-row tile spends 7/8 or more of its tensor work on zero rows. With 128 rows the
+// two GEMMs of a 128-key d128 block take about 2 x 128 x 128 x 128 x 2 / 2048 = 2048 tensor-core
+// cycles (~1.1 us) against ~2 us to stream the block's 64 KB at the chip's copy rate shared by
+// 132 SMs; 64 rows halve that, so the block's time is its bytes. The shared memory Q and O leave
+// goes to K/V stages: as many as fit (at most 4), so the first blocks of a short piece are all
+// in flight at once.
+template <int kHeadDim, typename Element, int kBlockN = BlockN<kHeadDim>::value>
+struct DecodeStages {
+  static constexpr int kTile = 64 * kHeadDim * int(sizeof(Element));  // Q, and O's own buffer
+  static constexpr int kStage = 2 * kBlockN * kHeadDim * int(sizeof(Element));
+  static constexpr int kFit = (kSmemLimitBytes - 2 * kTile - 1024) / kStage;  // 1 KB: barriers, alignment
+  static constexpr int value = kFit < 2 ? 2 : (kFit > 4 ? 4 : kFit);
+};
+template <int kHeadDim, typename Element>
+using DecodeKernelTraits = KernelTraits<kHeadDim, Element, true, BlockN<kHeadDim>::value, 64,
+                                        DecodeStages<kHeadDim, Element>::value>;
 
 }  // namespace jax_fa3::fwd

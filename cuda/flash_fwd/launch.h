@@ -131,6 +131,11 @@ template <int kHeadDim, DType kDType>
 cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
   if (p.key_ranges != nullptr || p.row_bounds != nullptr) {
+    // A decode step whose kv head has at most 64 query heads: the 64-row tile (kernel_traits.h,
+    // DecodeKernelTraits).
+    if (p.qo_heads_major && p.s_q <= 64) {
+      return launch_traits<DecodeKernelTraits<kHeadDim, Element>>(p, stream);
+    }
     return launch_traits<KernelTraits<kHeadDim, Element, true>>(p, stream);
   }
   if constexpr (kHeadDim == 64) {
