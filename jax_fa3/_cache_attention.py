@@ -267,12 +267,13 @@ def _decode_piece_keys(capacity: int, key_block: int, n: int) -> int:
   return -(-blocks // n) * key_block
 
 
-def _decode_pieces_xla(q, keys, values, lengths, diagonal, cfg: AttentionConfig, n: int,
-                       key_block: int):
-  """The decode targets' results with XLA ops: q (b, 1, h, d) over keys / values
-  (b, capacity, h_k, d), cut into n pieces of ceil(blocks / n) whole key blocks (the kernels'
-  cut), each attended with the row's own mask: out (b, n, h, d) in q's dtype, lse (b, n, h)."""
+def _decode_pieces_xla(q, keys, values, lengths, cfg: AttentionConfig, n: int, key_block: int):
+  """The decode targets' results with XLA ops: q (b, 1, h, d), the newest token of each row, over
+  the first lengths[r] keys of keys / values (b, capacity, h_k, d), cut into n pieces of
+  ceil(blocks / n) whole key blocks (the kernels' cut), each attended with the row's own mask
+  (diagonal lengths - 1): out (b, n, h, d) in q's dtype, lse (b, n, h)."""
   b, _, h, d = q.shape
+  diagonal = lengths - 1
   capacity = keys.shape[1]
   piece = _decode_piece_keys(capacity, key_block, n)
   pad = ((0, 0), (0, n * piece - capacity), (0, 0), (0, 0))
@@ -288,22 +289,20 @@ def _decode_pieces_xla(q, keys, values, lengths, diagonal, cfg: AttentionConfig,
 
 
 def _decode_kernel(n: int, cfg: AttentionConfig, paged: bool):
-  """The decode target's call over (q, k, v, lengths, diagonal), or (q, k_pool, v_pool, table,
-  lengths, diagonal) with `paged`, for n pieces per row; vmap folds into the batch rows (a
-  vmapped pool: each lane's pages gathered onto the contiguous target)."""
+  """The decode target's call over (q, k, v, lengths), or (q, k_pool, v_pool, table, lengths)
+  with `paged`, for n pieces per row; vmap folds into the batch rows (a vmapped pool: each lane's
+  pages gathered onto the contiguous target). The kernel takes the lengths as they are: a row's
+  bounds in the grouped view (its g query heads as the tile's rows, all sharing the diagonal
+  length - 1) are made in the kernel."""
   def call(q, *rest):
-    *cache, lengths, diagonal = rest
+    *cache, lengths = rest
     b, _, h, d = q.shape
-    group = h // cache[0].shape[2]
-    # The row bounds of the grouped view: the g query heads of a kv head are its tile's rows,
-    # all of them real and sharing the row's diagonal.
-    bounds = jnp.stack([jnp.full((b,), group, jnp.int32), lengths.astype(jnp.int32),
-                        diagonal.astype(jnp.int32)], axis=1)
+    lengths = lengths.astype(jnp.int32)
     if paged:
       k_pool, v_pool, table = cache
-      operands = (q, k_pool, v_pool, bounds, table.astype(jnp.int32))
+      operands = (q, k_pool, v_pool, lengths, table.astype(jnp.int32))
     else:
-      operands = (q, *cache, bounds)
+      operands = (q, *cache, lengths)
     results = (jax.ShapeDtypeStruct((b, n, h, d), q.dtype),
                jax.ShapeDtypeStruct((b, n, h), jnp.float32))
     return tuple(_ffi.call(PAGED_DECODE_TARGET if paged else DECODE_TARGET, results, *operands,
@@ -313,18 +312,18 @@ def _decode_kernel(n: int, cfg: AttentionConfig, paged: bool):
     return fold_vmap_into_batch(call)
   contiguous = _decode_kernel(n, cfg, False)
 
-  def gathered(q, k_pool, v_pool, table, lengths, diagonal):
+  def gathered(q, k_pool, v_pool, table, lengths):
     return contiguous(q, _local_attention.gather_pages(k_pool, table),
-                      _local_attention.gather_pages(v_pool, table), lengths, diagonal)
+                      _local_attention.gather_pages(v_pool, table), lengths)
 
-  return fold_vmap_into_batch(call, has_batch=(True, False, False, True, True, True),
+  return fold_vmap_into_batch(call, has_batch=(True, False, False, True, True),
                               unfolded=gathered)
 
 
 def _decode_local(n: int, paged: bool):
-  """One device's decode step over (q, k, v, lengths, diagonal), or (q, k_pool, v_pool, table,
-  lengths, diagonal) for a paged cache read in place: the decode target where the kernels run,
-  else _decode_pieces_xla (the pages gathered first)."""
+  """One device's decode step over (q, k, v, lengths), or (q, k_pool, v_pool, table, lengths)
+  for a paged cache read in place: the decode target where the kernels run, else
+  _decode_pieces_xla (the pages gathered first)."""
   target = PAGED_DECODE_TARGET if paged else DECODE_TARGET
 
   def local(*arrays_and_cfg):
@@ -333,12 +332,12 @@ def _decode_local(n: int, paged: bool):
     key_block = _local_attention.forward_key_block(q.shape[-1])
 
     def xla(q, *rest):
-      *cache, lengths, diagonal = rest
+      *cache, lengths = rest
       if paged:
         k_pool, v_pool, table = cache
         cache = (_local_attention.gather_pages(k_pool, table),
                  _local_attention.gather_pages(v_pool, table))
-      return _decode_pieces_xla(q, *cache, lengths, diagonal, cfg, n, key_block)
+      return _decode_pieces_xla(q, *cache, lengths, cfg, n, key_block)
 
     if not _local_attention.use_decode_kernel(target, q):
       return xla(*arrays)
@@ -356,7 +355,7 @@ def _decode_op(n: int, paged: bool) -> _partitioning.AttentionOp:
   cache = ("pool", "pool", "table") if paged else ("kv", "kv")
   return _partitioning.AttentionOp(
       "flash_fwd_paged_decode" if paged else "flash_fwd_decode",
-      ("q",) + cache + ("lens", "lens"), ("pieces", "piece_rows"), _decode_local(n, paged),
+      ("q",) + cache + ("lens",), ("pieces", "piece_rows"), _decode_local(n, paged),
       split_queries=False)
 
 
@@ -376,8 +375,7 @@ def _decode(q, keys, values, lengths, cfg: AttentionConfig, return_lse: bool,
   on_kernels = _local_attention.masked_kernels_would_run(q) and _ffi.has_target(target)
   n = decode_splits(requested_splits, b, h_k, capacity, key_block, on_kernels)
   lengths = jnp.asarray(lengths, jnp.int32)
-  out, lse = _partitioning.call_partitioned(_decode_op(n, paged),
-                                            (q, *cache, lengths, lengths - 1), cfg)
+  out, lse = _partitioning.call_partitioned(_decode_op(n, paged), (q, *cache, lengths), cfg)
   if n > 1:
     out, lse = _merge(out.reshape(b * n, 1, h, d), lse.reshape(b * n, h, 1), b, n, q.dtype)
   else:

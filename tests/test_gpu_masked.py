@@ -393,16 +393,16 @@ def test_decode_target_pieces_match_the_xla_pieces(d, paged):
     cfg = AttentionConfig(softmax_scale=d ** -0.5, window_left=window[0], window_right=window[1])
     if paged:
       (k_pool, table), (v_pool, _) = _shuffled_pages(k, block, d), _shuffled_pages(v, block, d)
-      args, target = (q, k_pool, v_pool, table, lengths, lengths - 1), FLASH_FWD_PAGED_DECODE
+      args, target = (q, k_pool, v_pool, table, lengths), FLASH_FWD_PAGED_DECODE
     else:
-      args, target = (q, k, v, lengths, lengths - 1), FLASH_FWD_DECODE
+      args, target = (q, k, v, lengths), FLASH_FWD_DECODE
     f32 = lambda x: x.astype(jnp.float32)
     for n in (1, 3, 7):
       local = _cache_attention._decode_local(n, paged)
       got_out, got_lse = run_on_kernels(jax.jit(lambda *a: local(*a, cfg)), *args,
                                         expected={target})
       want_out, want_lse = jax.jit(lambda q, k, v: _cache_attention._decode_pieces_xla(
-          q, k, v, lengths, lengths - 1, cfg, n, block))(f32(q), f32(k), f32(v))
+          q, k, v, lengths, cfg, n, block))(f32(q), f32(k), f32(v))
       where = f"h={h}, h_k={h_k}, window={window}, n={n}"
       assert got_out.shape == (b, n, h, d) and got_lse.shape == (b, n, h), where
       got_out, want_out = np.asarray(got_out, np.float32), np.asarray(want_out)
@@ -417,19 +417,21 @@ def test_decode_target_pieces_match_the_xla_pieces(d, paged):
 
 
 def test_decode_handler_rejects_bad_calls_via_ffi_error():
-  # Two queries per row, split counts outside [1, 1024] and results of the wrong shape, each
-  # refused by name. (The results stay non-empty: XLA drops a call whose results are empty.)
-  for s_q, n, pieces, expected in [(2, 1, 1, "one query per row"),
-                                   (1, 0, 1, "num_splits must be in"),
-                                   (1, 5000, 5000, "num_splits must be in"),
-                                   (1, 2, 3, "shape (b, num_splits, h, d)")]:
+  # Two queries per row, split counts outside [1, 1024], results of the wrong shape and lengths
+  # that are not one per row, each refused by name. (The results stay non-empty: XLA drops a
+  # call whose results are empty.)
+  for s_q, n, pieces, lengths, expected in [(2, 1, 1, "(2,)", "one query per row"),
+                                            (1, 0, 1, "(2,)", "num_splits must be in"),
+                                            (1, 5000, 5000, "(2,)", "num_splits must be in"),
+                                            (1, 2, 3, "(2,)", "shape (b, num_splits, h, d)"),
+                                            (1, 1, 1, "(2, 3)", "lengths")]:
     message = ffi_error_message(f"""
       q = jnp.ones((2, {s_q}, 8, 128), jnp.bfloat16)
       k = jnp.ones((2, 256, 2, 128), jnp.bfloat16)
       call = jax.ffi.ffi_call("jax_fa3_flash_fwd_decode", (
           jax.ShapeDtypeStruct((2, {pieces}, 8, 128), q.dtype),
           jax.ShapeDtypeStruct((2, {pieces}, 8), jnp.float32)))
-      result = lambda: call(q, k, k, jnp.zeros((2, 3), jnp.int32),
+      result = lambda: call(q, k, k, jnp.zeros({lengths}, jnp.int32),
                             softmax_scale=np.float32(0.125), softcap=np.float32(0),
                             window_left=np.int32(-1), window_right=np.int32(0),
                             num_splits=np.int32({n}))

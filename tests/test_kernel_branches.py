@@ -164,9 +164,9 @@ def test_paged_cache_builds_the_paged_call(splits):
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("paged", [False, True])
 def test_decode_builds_the_decode_call(splits, paged):
-  # One query per row: q, the cache (or pools and the page table) and the row bounds go to the
-  # decode target as they are (GQA and the split are the kernel's), results (b, n, h, d) and
-  # (b, n, h). 3 pieces of a 4-block row: 2 blocks each, the third empty.
+  # One query per row: q, the cache (or pools and the page table) and the cache lengths go to
+  # the decode target as they are (GQA, the row bounds and the split are the kernel's), results
+  # (b, n, h, d) and (b, n, h). 3 pieces of a 4-block row: 2 blocks each, the third empty.
   b, h, h_k, d, page, pages = 2, 8, 2, 128, 128, 4
   q = jnp.ones((b, 1, h, d), jnp.bfloat16)
   table = jnp.arange(b * pages, dtype=jnp.int32).reshape(b, pages)
@@ -185,7 +185,7 @@ def test_decode_builds_the_decode_call(splits, paged):
   (decode,) = calls[target]
   assert decode[0] == (q.shape, q.dtype)
   assert decode[1:3] == [(cache.shape, cache.dtype)] * 2
-  assert decode[3:4] == _row_bounds_operand(b)
+  assert decode[3] == ((b,), np.dtype(np.int32))
   if paged:
     assert decode[4] == (table.shape, np.dtype(np.int32))
   eqn = next(e for e in jaxpr_equations(call, q, cache, cache)
@@ -204,14 +204,15 @@ def test_vmapped_paged_calls_fold_or_gather():
   call = lambda q, kp, vp: jax_fa3.flash_attention_with_kvcache(
       q, kp, vp, cache_seqlens=lengths, page_table=table, num_splits=1)
   pools = jnp.ones((lanes,) + pool.shape, jnp.bfloat16)
-  for s_q, in_place, contiguous in [(2, "jax_fa3_flash_fwd_paged_row_bounds",
-                                     "jax_fa3_flash_fwd_row_bounds"),
-                                    (1, "jax_fa3_flash_fwd_paged_decode",
-                                     "jax_fa3_flash_fwd_decode")]:
+  # (Row bounds (rows, 3) for two queries per row, the decode targets' lengths (rows,) for one.)
+  for s_q, in_place, contiguous, bounds in [(2, "jax_fa3_flash_fwd_paged_row_bounds",
+                                             "jax_fa3_flash_fwd_row_bounds", (3,)),
+                                            (1, "jax_fa3_flash_fwd_paged_decode",
+                                             "jax_fa3_flash_fwd_decode", ())]:
     q = jnp.ones((lanes, b, s_q, h, d), jnp.bfloat16)
     (paged,) = _ffi_calls(jax.vmap(call, in_axes=(0, None, None)), q, pool, pool)[in_place]
     assert paged[0][0][0] == lanes * b and paged[1][0] == pool.shape
-    assert paged[3] == ((lanes * b, 3), np.dtype(np.int32))
+    assert paged[3] == ((lanes * b,) + bounds, np.dtype(np.int32))
     calls = _ffi_calls(jax.vmap(call), q, pools, pools)
     assert in_place not in calls
     (gathered,) = calls[contiguous]

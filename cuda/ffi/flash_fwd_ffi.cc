@@ -30,18 +30,19 @@ ffi::Error check_compiled(const char* op, int64_t d, DType dtype) {
 }
 
 // Which keys a masked call's rows see (common/key_ranges.h): per-query ranges and their covers,
-// or per-row bounds; all null for whole rows.
+// per-row bounds, or (a decode step) per-row cache lengths; all null for whole rows.
 struct KeyOperands {
   const ffi::AnyBuffer* ranges = nullptr;
   const ffi::AnyBuffer* covers = nullptr;
   const ffi::AnyBuffer* bounds = nullptr;
+  const ffi::AnyBuffer* lengths = nullptr;
 };
 
 // A decode step (params.h: qo_heads_major, num_splits): q (b, 1, h, d) is read as g = h / h_k
 // query rows of each of the h_k heads, and the call returns the split-KV pieces: out
-// (b, num_splits, h, d) in q's dtype and lse (b, num_splits, h), piece p of row r at [r, p]. The
-// row bounds are in that view: q_len counts the g rows (all of them, or 0 for a row left out)
-// and every row shares the diagonal.
+// (b, num_splits, h, d) in q's dtype and lse (b, num_splits, h), piece p of row r at [r, p].
+// Each row's keys come from its cache length (b,) int32: keys [0, length), the g rows all real
+// and sharing the diagonal length - 1 (params.h: row_lengths).
 struct Decode {
   bool on = false;
   int64_t num_splits = 1;
@@ -76,6 +77,9 @@ FlashFwdParams forward_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
   if (keys.bounds != nullptr) {
     params.row_bounds = static_cast<const int*>(keys.bounds->untyped_data());
   }
+  if (keys.lengths != nullptr) {
+    params.row_lengths = static_cast<const int*>(keys.lengths->untyped_data());
+  }
   return params;
 }
 
@@ -109,6 +113,10 @@ ffi::Error check_forward_call(const char* op, ffi::Result<ffi::AnyBuffer>& out,
   }
   if (keys.bounds != nullptr) {
     JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_row_bounds(op, *keys.bounds, a.b));
+  }
+  if (keys.lengths != nullptr) {
+    JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(op, "lengths", *keys.lengths,
+                                                       ffi::DataType::S32, "shape (b,) =", {a.b}));
   }
   return check_compiled(op, a.d, dtype);
 }
@@ -195,13 +203,13 @@ ffi::Error flash_fwd_row_bounds(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
 }
 
 ffi::Error flash_fwd_decode(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                            ffi::AnyBuffer v, ffi::AnyBuffer row_bounds,
+                            ffi::AnyBuffer v, ffi::AnyBuffer lengths,
                             ffi::Result<ffi::AnyBuffer> out,
                             ffi::Result<ffi::Buffer<ffi::F32>> lse, float softmax_scale,
                             float softcap, int32_t window_left, int32_t window_right,
                             int32_t num_splits) {
   return flash_fwd_impl("flash_fwd_decode", stream, q, k, v,
-                        KeyOperands{nullptr, nullptr, &row_bounds}, out, lse, softmax_scale,
+                        KeyOperands{nullptr, nullptr, nullptr, &lengths}, out, lse, softmax_scale,
                         softcap, window_left, window_right, Decode{true, num_splits});
 }
 
@@ -296,13 +304,13 @@ ffi::Error flash_fwd_paged_row_bounds(cudaStream_t stream, ffi::AnyBuffer q,
 }
 
 ffi::Error flash_fwd_paged_decode(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k_pool,
-                                  ffi::AnyBuffer v_pool, ffi::AnyBuffer row_bounds,
+                                  ffi::AnyBuffer v_pool, ffi::AnyBuffer lengths,
                                   ffi::AnyBuffer kv_pages, ffi::Result<ffi::AnyBuffer> out,
                                   ffi::Result<ffi::Buffer<ffi::F32>> lse, float softmax_scale,
                                   float softcap, int32_t window_left, int32_t window_right,
                                   int32_t num_splits) {
   return flash_fwd_paged_impl("flash_fwd_paged_decode", stream, q, k_pool, v_pool,
-                              KeyOperands{nullptr, nullptr, &row_bounds}, kv_pages, out, lse,
+                              KeyOperands{nullptr, nullptr, nullptr, &lengths}, kv_pages, out, lse,
                               softmax_scale, softcap, window_left, window_right,
                               Decode{true, num_splits});
 }

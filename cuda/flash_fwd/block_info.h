@@ -10,6 +10,7 @@
 
 #include "common/key_ranges.h"
 #include "common/row_bounds.h"
+#include "flash_fwd/params.h"
 
 namespace jax_fa3::fwd {
 
@@ -56,6 +57,12 @@ JAX_FA3_KR_HD bool block_needs_mask(int m_block, int n_block, int block_m, int b
   const int col_last = col_first + block_n - 1;
   return col_last >= k_len || (right >= 0 && col_last > row_first + diag + right) ||
          (left >= 0 && col_first < row_last + diag - left);
+}
+
+// Batch row `batch`'s bounds in a row-bound call: its (b, 3) entry, or built from its length.
+JAX_FA3_KR_HD RowBounds batch_row_bounds(const FlashFwdScalars& sc, int batch) {
+  return sc.bounds_are_lengths ? load_length_row_bounds(sc.row_bounds, batch, sc.s_q, sc.s_k)
+                               : load_row_bounds(sc.row_bounds, batch, sc.s_q, sc.s_k);
 }
 
 }  // namespace jax_fa3::fwd

@@ -184,7 +184,7 @@ __device__ __forceinline__ void run_consumer(KernelParams<Traits> const& p,
     [[maybe_unused]] KeyRange row_keys[2];
     if constexpr (Traits::kKeyRanges) {
       if (sc.row_bounds != nullptr) {
-        const RowBounds rb = load_row_bounds(sc.row_bounds, c.batch, sc.s_q, sc.s_k);
+        const RowBounds rb = batch_row_bounds(sc, c.batch);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           row_keys[r] = bounded_key_range(rb, row_g + 8 * r, sc.s_k, sc.window_left,

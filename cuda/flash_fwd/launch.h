@@ -36,7 +36,7 @@ inline FlashFwdScalars make_scalars(const FlashFwdParams& p) {
   s.scale_log2 = p.softcap > 0.f ? kLog2e : p.softmax_scale * kLog2e;
   // Row bounds carry their own diagonals, whose windows clamp as the Python rule clamps them;
   // whole rows' diagonal is s_k - s_q (common/window.h).
-  const bool bounds = p.row_bounds != nullptr;
+  const bool bounds = p.row_bounds != nullptr || p.row_lengths != nullptr;
   s.window_left = bounds ? bounded_window(p.window_left, p.s_q, p.s_k)
                          : clamp_window_past_reach(p.window_left, p.s_q, p.s_k);
   s.window_right = bounds ? bounded_window(p.window_right, p.s_q, p.s_k)
@@ -44,7 +44,8 @@ inline FlashFwdScalars make_scalars(const FlashFwdParams& p) {
   s.lse = p.lse;
   s.key_ranges = p.key_ranges;
   s.key_covers = p.key_covers;
-  s.row_bounds = p.row_bounds;
+  s.row_bounds = p.row_lengths != nullptr ? p.row_lengths : p.row_bounds;
+  s.bounds_are_lengths = p.row_lengths != nullptr;
   s.kv_pages = nullptr;  // set by launch_traits for a paged cache
   s.pages_per_seq = s.blocks_per_page = s.num_pages = 0;
   s.num_splits = 1;  // set by launch_traits for split-KV
@@ -130,7 +131,7 @@ inline bool wasteful_tail(const FlashFwdParams& p, int wide_block) {
 template <int kHeadDim, DType kDType>
 cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
-  if (p.key_ranges != nullptr || p.row_bounds != nullptr) {
+  if (p.key_ranges != nullptr || p.row_bounds != nullptr || p.row_lengths != nullptr) {
     // A decode step whose kv head has at most 64 query heads: the 64-row tile (kernel_traits.h,
     // DecodeKernelTraits).
     if (p.qo_heads_major && p.s_q <= 64) {

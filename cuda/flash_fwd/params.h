@@ -31,6 +31,9 @@ struct FlashFwdParams {
   // Or per-row bounds (b, 3): (q_len, k_len, diag) (common/key_ranges.h), on the same kernels:
   // each row's range comes from its bounds and the window above, nothing else is read.
   const int* row_bounds = nullptr;
+  // Or one cache length per batch row (b,), a decode step's: the bounds (s_q, length,
+  // length - 1) (common/key_ranges.h, load_length_row_bounds), with no (b, 3) array to build.
+  const int* row_lengths = nullptr;
   // A paged KV cache read in place (key ranges only): k and v are pools (num_pages, page_size,
   // h_k, d), and batch row r's logical key j lives in page kv_pages[r, j / page_size] at row
   // j % page_size; s_k = pages_per_seq * page_size. page_size is a multiple of the kernel's key
@@ -64,7 +67,9 @@ struct FlashFwdScalars {
   float* lse;
   const int* key_ranges;  // FlashFwdParams::key_ranges
   const int* key_covers;  // FlashFwdParams::key_covers
-  const int* row_bounds;  // FlashFwdParams::row_bounds (then window_* are bounded_window's)
+  const int* row_bounds;  // FlashFwdParams::row_bounds or row_lengths (then window_* are
+                          // bounded_window's)
+  int bounds_are_lengths; // row_bounds holds FlashFwdParams::row_lengths
   const int* kv_pages;    // FlashFwdParams::kv_pages
   int pages_per_seq;
   int blocks_per_page;    // page_size / kBlockN

@@ -92,7 +92,7 @@ __device__ __forceinline__ ItemBlocks item_blocks(const TileScheduler& scheduler
   if constexpr (kKeyRanges) {
     TileKeys keys =
         sc.row_bounds != nullptr
-            ? bounded_tile_keys(load_row_bounds(sc.row_bounds, item.tile.batch, sc.s_q, sc.s_k),
+            ? bounded_tile_keys(batch_row_bounds(sc, item.tile.batch),
                                 item.tile.m_block * block_m, block_m, sc.s_q, sc.s_k,
                                 sc.window_left, sc.window_right)
             : tile_keys(sc.key_covers, item.tile.batch, key_range_rows(sc.s_q) / kKeyRangeGranule,
