@@ -374,19 +374,23 @@ def test_a_paged_cache_can_be_the_first_kernel_call_of_a_process():
 
 @pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
 @pytest.mark.parametrize("paged", [False, True])
-def test_decode_target_pieces_match_the_xla_pieces(d, paged):
+@pytest.mark.parametrize("blocks", [5, 30])
+def test_decode_target_pieces_match_the_xla_pieces(d, paged, blocks):
   # The decode targets' results themselves: q (b, 1, h, d) read in place as the g query heads of
   # each kv head, split-KV pieces of whole key blocks made by the kernel's scheduler (1, 3 and 7
   # pieces over 5 blocks: with 7, pieces of one block and the last two empty), against
   # _decode_pieces_xla on the same bf16 values in float32. Outputs are poisoned first, so every
   # piece, empty ones included (out 0, lse +inf), must be written. GQA 8:2 causal, and MHA with
   # a left window (exact per piece: the mask is on the row's own key positions). Paged: pages
-  # of one key block, shuffled, read in place.
+  # of one key block, shuffled, read in place. Both tiles (launch.h, decode_tile_applies): 30
+  # blocks in one piece (over 2048 keys at every head dim) and 72 query heads on one kv head run
+  # the 128-row tile, shorter pieces of at most 64 heads the 64-row one.
   from jax_fa3._config import AttentionConfig  # noqa: PLC0415
   block = _local_attention.forward_key_block(d)
-  b, cap = 5, 5 * block
+  b, cap = 5, blocks * block
   lengths = jnp.asarray([cap, 1, block, 3 * block + 7, 0], jnp.int32)
-  for h, h_k, window in [(8, 2, (-1, 0)), (4, 4, (2 * block, -1))]:
+  splits = (1, 3, 7) if blocks == 5 else (1, 4)
+  for h, h_k, window in [(8, 2, (-1, 0)), (4, 4, (2 * block, -1)), (72, 1, (-1, 0))]:
     q = _normal(d + h_k, (b, 1, h, d))
     k, v = _normal(d + h_k + 1, (b, cap, h_k, d)), _normal(d + h_k + 2, (b, cap, h_k, d))
     skip_unless_compiled(q)
@@ -397,7 +401,7 @@ def test_decode_target_pieces_match_the_xla_pieces(d, paged):
     else:
       args, target = (q, k, v, lengths), FLASH_FWD_DECODE
     f32 = lambda x: x.astype(jnp.float32)
-    for n in (1, 3, 7):
+    for n in splits:
       local = _cache_attention._decode_local(n, paged)
       got_out, got_lse = run_on_kernels(jax.jit(lambda *a: local(*a, cfg)), *args,
                                         expected={target})

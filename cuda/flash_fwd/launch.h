@@ -128,13 +128,26 @@ inline bool wasteful_tail(const FlashFwdParams& p, int wide_block) {
   return double(tail_keys(p.s_k, wide_block) - tail_keys(p.s_k, 128)) > kTailWasteShare * p.s_k;
 }
 
+// The decode tile (kernel_traits.h, DecodeKernelTraits: 64 rows, one consumer warpgroup, 3-4
+// K/V stages) for a decode step whose kv head has at most 64 query heads and whose split-KV
+// pieces are short. H100, d128 GQA 32:4 bf16, kernel per step against the 128-row tile, both
+// alternated in one run (2026-12-06, benchmarks/RESULTS.md): b1 32k (pieces of 1024 keys)
+// 28.3 -> 27.5 us; b1 128k (4096 keys) level; b8 32k (8192 keys) and b8 128k (32768 keys)
+// 1.3% and 1.9% slower. Short pieces gain from the deeper pipeline's start; long ones run at the
+// copy rate either way and lose the two warpgroups' ping-pong.
+constexpr int kDecodeTileMaxPieceKeys = 2048;
+inline bool decode_tile_applies(const FlashFwdParams& p, int key_block) {
+  if (!p.qo_heads_major || p.s_q > 64 || p.num_splits < 1) return false;
+  const int64_t blocks = (int64_t(p.s_k) + key_block - 1) / key_block;
+  const int64_t piece_keys = (blocks + p.num_splits - 1) / p.num_splits * key_block;
+  return piece_keys <= kDecodeTileMaxPieceKeys;
+}
+
 template <int kHeadDim, DType kDType>
 cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
   if (p.key_ranges != nullptr || p.row_bounds != nullptr || p.row_lengths != nullptr) {
-    // A decode step whose kv head has at most 64 query heads: the 64-row tile (kernel_traits.h,
-    // DecodeKernelTraits).
-    if (p.qo_heads_major && p.s_q <= 64) {
+    if (decode_tile_applies(p, BlockN<kHeadDim>::value)) {
       return launch_traits<DecodeKernelTraits<kHeadDim, Element>>(p, stream);
     }
     return launch_traits<KernelTraits<kHeadDim, Element, true>>(p, stream);
