@@ -271,8 +271,10 @@ def _decode_pieces_xla(q, keys, values, lengths, cfg: AttentionConfig, n: int, k
   """The decode targets' results with XLA ops: q (b, 1, h, d), the newest token of each row, over
   the first lengths[r] keys of keys / values (b, capacity, h_k, d), cut into n pieces of
   ceil(blocks / n) whole key blocks (the kernels' cut), each attended with the row's own mask
-  (diagonal lengths - 1): out (b, n, h, d) in q's dtype, lse (b, n, h)."""
+  (diagonal lengths - 1), lengths clamped to [0, capacity] first as the kernels clamp them:
+  out (b, n, h, d) in q's dtype, lse (b, n, h)."""
   b, _, h, d = q.shape
+  lengths = jnp.clip(lengths, 0, keys.shape[1])
   diagonal = lengths - 1
   capacity = keys.shape[1]
   piece = _decode_piece_keys(capacity, key_block, n)
@@ -361,7 +363,9 @@ def _decode_op(n: int, paged: bool) -> _partitioning.AttentionOp:
 
 def _decode(q, keys, values, lengths, cfg: AttentionConfig, return_lse: bool,
             requested_splits: int):
-  """`attend` for a decode step (`decode_applies`): the decode op's pieces, merged."""
+  """`attend` for a decode step (`decode_applies`): the decode op's pieces, merged. The
+  lengths go to the kernels unclamped (they clamp them to [0, capacity]), and to the XLA pieces
+  clamped."""
   b, _, h, d = q.shape
   paged = isinstance(keys, Pages)
   if paged:
@@ -410,7 +414,7 @@ def attend(q, keys, values, lengths, cfg: AttentionConfig, return_lse: bool,
   """out (b, s_q, h, d) in q's dtype (and the float32 lse (b, h, s_q) with return_lse) of q
   against keys / values (b, capacity, h_k, d), or against `keys`, a `Pages` read in place on the
   kernel (values None), row r's first lengths[r] slots being its keys and query i's mask centred
-  on key i + lengths[r] - s_q."""
+  on key i + lengths[r] - s_q; lengths are clamped to [0, capacity] first."""
   b, s_q, h, d = q.shape
   paged = isinstance(keys, Pages)
   if paged:
@@ -419,6 +423,7 @@ def attend(q, keys, values, lengths, cfg: AttentionConfig, return_lse: bool,
     capacity, h_k, unit = keys.shape[1], keys.shape[2], 1
   if decode_applies(q, h_k, cfg, paged):
     return _decode(q, keys, values, lengths, cfg, return_lse, requested_splits)
+  lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, capacity)
   group = h // h_k
   diagonal = lengths - s_q
   # (Not on Explicit meshes: splitting a sharded head axis needs the output's sharding spelled

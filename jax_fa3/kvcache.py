@@ -216,7 +216,10 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
   elif k is not None:
     k_cache = _append(k_cache, k, first, slots)
     v_cache = _append(v_cache, v, first, slots)
-  length = jnp.clip(first + s_new, 0, capacity)
+  # With no token appended, the lengths reach attend unclamped: the decode kernels clamp them
+  # themselves (no XLA op before the kernel), attend clamps them for every other path.
+  length = (jnp.asarray(cache_seqlens, jnp.int32) if k is None
+            else jnp.clip(first + s_new, 0, capacity))
 
   # A logical view of the cache for validation: (b, capacity, h_k, d) in the cache's dtype.
   logical = jax.ShapeDtypeStruct((b, capacity) + k_cache.shape[2:], q.dtype)

@@ -253,6 +253,30 @@ def test_traced_out_of_range_appends_are_dropped():
   np.testing.assert_array_equal(np.asarray(new_k), want)
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("heads,window", [(H, (-1, 0)), (H_K, (5, -1))])
+def test_traced_out_of_range_lengths_of_a_decode_step_are_clamped(paged, heads, window):
+  # A decode step's lengths reach the decode op unclamped (the kernels clamp them); traced ones
+  # past the capacity or below 0 must still attend as the clamped lengths (CAPACITY and 0),
+  # a left window included (its diagonal is the clamped length's).
+  rng = np.random.default_rng(9)
+  q = _normal(rng, B, 1, heads, D)
+  k_cache, v_cache = _normal(rng, B, CAPACITY, H_K, D), _normal(rng, B, CAPACITY, H_K, D)
+  options = {}
+  if paged:
+    (k_cache, table), (v_cache, _) = _paged(k_cache, 3), _paged(v_cache, 3)
+    options = dict(page_table=table)
+  call = jax.jit(lambda q, kc, vc, lengths: jax_fa3.flash_attention_with_kvcache(
+      q, kc, vc, cache_seqlens=lengths, window_size=window, num_splits=3, return_lse=True,
+      **options))
+  wild = jnp.array([CAPACITY + 9, -4, 2**31 - 1, 7], jnp.int32)
+  tame = jnp.clip(wild, 0, CAPACITY)
+  (got, got_lse), (want, want_lse) = call(q, k_cache, v_cache, wild), call(q, k_cache, v_cache,
+                                                                          tame)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(got_lse), np.asarray(want_lse))
+
+
 _Q, _KC, _VC, _K, _V = _case(8, 1, 1)
 
 

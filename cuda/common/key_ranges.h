@@ -109,17 +109,16 @@ JAX_FA3_KR_HD RowBounds load_row_bounds(const int* bounds, int batch, int s_q, i
 
 // A decode step's bounds from its row's cache length alone (FlashFwdParams::row_lengths): every
 // one of the s_q rows (a kv head's grouped query heads, all the same newest token) real, keys
-// [0, length), the diagonal length - 1: load_row_bounds of (s_q, length, length - 1).
+// [0, k_len) with k_len the length clamped to [0, s_k], the diagonal k_len - 1 (the clamp first,
+// as jax_fa3.flash_attention_with_kvcache clamps a traced length to the capacity).
 JAX_FA3_KR_HD RowBounds load_length_row_bounds(const int* lengths, int batch, int s_q, int s_k) {
 #if defined(__CUDA_ARCH__)
   const int length = __ldg(lengths + batch);
 #else
   const int length = lengths[batch];
 #endif
-  const long long diag = static_cast<long long>(length) - 1;  // no int32 wrap at INT_MIN
-  const long long reach = 2LL * (s_q + s_k);
-  return {s_q, clamp_key(length, s_k),
-          static_cast<int>(diag < -reach ? -reach : (diag > reach ? reach : diag))};
+  const int k_len = clamp_key(length, s_k);
+  return {s_q, k_len, k_len - 1};  // within load_row_bounds's diagonal clamp
 }
 
 // A window bound for the row-bound rule: -1 (unbounded) or at most 4 (s_q + s_k).
