@@ -364,8 +364,11 @@ def test_a_paged_cache_can_be_the_first_kernel_call_of_a_process():
   import pathlib, subprocess, sys  # noqa: E401, PLC0415
   skip_unless_compiled(jnp.zeros((1, 1, 1, 128), jnp.bfloat16))
   tests = pathlib.Path(__file__).resolve().parent
+  # This process's path too: a jax_fa3 imported from a source tree finds its installed extension
+  # through the distribution's metadata, which may lie on PYTHONPATH (pip install --target).
+  inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-      [str(tests), str(pathlib.Path(jax_fa3.__file__).resolve().parent.parent)])}
+      [str(tests), str(pathlib.Path(jax_fa3.__file__).resolve().parent.parent), *inherited])}
   result = subprocess.run([sys.executable, "-c", _PAGED_FIRST_CALL], env=env, cwd=tests,
                           capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
