@@ -112,16 +112,20 @@ struct KernelTraits : ForwardTraitsBase<kHeadDim_, Element_, kBlockM_, kBlockN_,
   using Base::kBlockM, Base::kBlockN, Base::kHeadDim, Base::kNumConsumerWarpGroups, Base::kStages;
   using ElementOut = Element;  // O is written in the input type (fp8: Fp8KernelTraits)
   static constexpr bool kFp8 = false;
-  // Intra-warpgroup overlap keeps S(n) and P(n+1) live together (S + P/2 + O registers). Measured
-  // with ptxas: 160 fragment registers fit the 240 budget, 180 spill. d192/d256 (O alone 96/128)
-  // therefore run the plain order S -> softmax -> PV, where S turns into P in place.
+  // Intra-warpgroup overlap keeps S(n) and P(n+1) live together (S + P/2 + O registers). With
+  // whole rows it fits every bucket: d192 (S 56 + P 28 + O 96) and d256 (40 + 20 + 128) compile
+  // without a spill (ptxas, 2026-12-06), and against the plain order S -> softmax -> PV they ran
+  // +7..12% (H100, 2026-12-06, 16k tokens, bf16: d256 non-causal 16k 603/617 -> 657/665 TFLOP/s,
+  // causal 588/591 -> 642/644; d192 593/595 -> 667/661, causal 578/579 -> 646/642; 1k +4..8%;
+  // benchmarks/RESULTS.md). The key-range kernels keep the plain order at d192/d256: their
+  // per-row key ranges take registers too, and d256 spilled 44 bytes with the overlap.
   // 192 rows (three warpgroups at 160 registers) fit only d64 with 128-key blocks and the
   // overlap: S 64 + P 32 + O 32, no spill; 160-key blocks spill 284 bytes (ptxas, 2026-12-05).
   static_assert(kBlockM == 128 || (kBlockM == 192 && kHeadDim == 64 && kBlockN <= 128) ||
                     (kBlockM == 64 && kKeyRanges_),
                 "two consumer warpgroups, three at d64 with at most 128-key blocks, or the "
                 "decode tile (key ranges)");
-  static constexpr bool kIntraWgOverlap = kHeadDim <= 128;
+  static constexpr bool kIntraWgOverlap = kHeadDim <= 128 || !kKeyRanges_;
   // Skipping O's rescale when no max changed (softmax.h) measured 614-618 TFLOP/s at d256 8k
   // against 632-635 without it (H200, 2026-12-01): always rescale here.
   static constexpr bool kSkipUnchangedRescale = false;
