@@ -304,6 +304,8 @@ def _qkv(s_q=8, s_k=8):
   return _normal(10, (1, s_q, 2, 8)), _normal(11, (1, s_k, 2, 8)), _normal(12, (1, s_k, 2, 8))
 
 
+# Ids from the kwargs' keys alone: the same in every pytest-xdist worker (a repr holding an
+# object's address is not, and xdist then refuses the run).
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(mask=jnp.ones((1, 1, 8, 8), bool)), ValueError, r"functools\.partial.*causal=True"),
     (dict(bias=jnp.zeros((1, 1, 8, 8), F32)), ValueError, r"no bias.*functools\.partial"),
@@ -315,7 +317,7 @@ def _qkv(s_q=8, s_k=8):
     (dict(fp8=True, fp8_backward="fp16"), ValueError, "fp8_backward must be one of"),
     (dict(fp8=True, softcap=5.0), ValueError, "softcap"),
     (dict(window_size=(2,)), TypeError, "window_size"),
-], ids=lambda v: str(v)[:40] if isinstance(v, dict) else None)
+], ids=lambda v: "-".join(v) if isinstance(v, dict) else None)
 def test_attention_fn_refuses_what_it_cannot_honour(kwargs, error, match):
   with pytest.raises(error, match=match):
     jax.eval_shape(functools.partial(fx.dot_product_attention, **kwargs), *_qkv())
