@@ -274,9 +274,9 @@ def _decode_pieces_xla(q, keys, values, lengths, cfg: AttentionConfig, n: int, k
   (diagonal lengths - 1), lengths clamped to [0, capacity] first as the kernels clamp them:
   out (b, n, h, d) in q's dtype, lse (b, n, h)."""
   b, _, h, d = q.shape
-  lengths = jnp.clip(lengths, 0, keys.shape[1])
-  diagonal = lengths - 1
   capacity = keys.shape[1]
+  lengths = jnp.clip(lengths, 0, capacity)
+  diagonal = lengths - 1
   piece = _decode_piece_keys(capacity, key_block, n)
   pad = ((0, 0), (0, n * piece - capacity), (0, 0), (0, 0))
   keys = jnp.pad(keys, pad).reshape((b * n, piece) + keys.shape[2:])

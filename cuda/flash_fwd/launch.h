@@ -53,6 +53,12 @@ inline FlashFwdScalars make_scalars(const FlashFwdParams& p) {
   return s;
 }
 
+// Keys per split-KV piece (params.h): ceil(key blocks / num_splits) whole blocks of key_block.
+inline int split_piece_keys(int s_k, int num_splits, int key_block) {
+  const int64_t blocks = (int64_t(s_k) + key_block - 1) / key_block;
+  return static_cast<int>((blocks + num_splits - 1) / num_splits * key_block);
+}
+
 template <class Traits>
 cudaError_t launch_traits(const FlashFwdParams& p, cudaStream_t stream) {
   using Element = typename Traits::Element;
@@ -87,9 +93,8 @@ cudaError_t launch_traits(const FlashFwdParams& p, cudaStream_t stream) {
   if (p.num_splits < 1) return cudaErrorInvalidValue;
   FlashFwdScalars scalars = make_scalars(p);
   if (p.num_splits > 1) {
-    const int key_blocks = (p.s_k + Traits::kBlockN - 1) / Traits::kBlockN;
     scalars.num_splits = p.num_splits;
-    scalars.split_keys = (key_blocks + p.num_splits - 1) / p.num_splits * Traits::kBlockN;
+    scalars.split_keys = split_piece_keys(p.s_k, p.num_splits, Traits::kBlockN);
   }
   if (paged) {
     scalars.kv_pages = p.kv_pages;
@@ -138,9 +143,7 @@ inline bool wasteful_tail(const FlashFwdParams& p, int wide_block) {
 constexpr int kDecodeTileMaxPieceKeys = 2048;
 inline bool decode_tile_applies(const FlashFwdParams& p, int key_block) {
   if (!p.qo_heads_major || p.s_q > 64 || p.num_splits < 1) return false;
-  const int64_t blocks = (int64_t(p.s_k) + key_block - 1) / key_block;
-  const int64_t piece_keys = (blocks + p.num_splits - 1) / p.num_splits * key_block;
-  return piece_keys <= kDecodeTileMaxPieceKeys;
+  return split_piece_keys(p.s_k, p.num_splits, key_block) <= kDecodeTileMaxPieceKeys;
 }
 
 template <int kHeadDim, DType kDType>
