@@ -85,6 +85,29 @@ def test_deterministic_backward_matches_the_oracle_and_repeats_bit_for_bit(d, dt
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+# d = 128 without a mask, at least 1024 queries, more than one kv head: the kernel with 80-row Q
+# blocks, dQ computed transposed and dS stored by stmatrix.trans (cuda/flash_bwd/params.h,
+# wide_q_blocks). s_q not a multiple of 80 leaves a partial last Q block; d = 120 runs the
+# bucket with zero-filled columns.
+@pytest.mark.parametrize("s_q,s_k,d", [(1024, 1024, 128), (1103, 1300, 128), (2000, 777, 128),
+                                       (1201, 1201, 120)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_backward_80_row_q_blocks(s_q, s_k, d, dtype):
+  q, k, v, do = _inputs(s_q + s_k + d, 2, s_q, s_k, 8, 2, d, dtype)
+  _check_backward(q, k, v, do, dtype)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_deterministic_backward_80_row_q_blocks_repeats_bit_for_bit(dtype):
+  q, k, v, do = _inputs(11, 2, 1100, 900, 8, 2, 128, dtype)
+  kw = dict(deterministic=True)
+  first = _check_backward(q, k, v, do, dtype, **kw)
+  again = _grad_fn(do, **kw)
+  for _ in range(2):
+    for a, b in zip(first, again(q, k, v)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_backward_softmax_scale(dtype):
   q, k, v, do = _inputs(77, 2, 333, 400, 4, 2, 128, dtype)

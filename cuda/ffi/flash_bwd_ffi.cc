@@ -129,7 +129,9 @@ ffi::Error flash_bwd_impl(const char* op, cudaStream_t stream, ffi::AnyBuffer q,
   if (a.b > 0 && a.h > 0 && a.s_q > 0 && a.s_k > 0) {
     JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::carve_bwd_workspace(
         op, "jax_fa3_flash_bwd_workspace_bytes",
-        flash_bwd::workspace_layout(a.b, a.h, a.s_q, a.d, deterministic), *workspace,
+        flash_bwd::workspace_layout(a.b, a.h, a.s_q, a.d, flash_bwd::block_m_for_call(p),
+                                    deterministic),
+        *workspace,
         dq->untyped_data(), p));
   }
 
@@ -172,7 +174,7 @@ ffi::Error flash_bwd_key_ranges(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyB
 
 extern "C" size_t jax_fa3_flash_bwd_workspace_bytes(int64_t b, int64_t h, int64_t s_q, int64_t d,
                                                     bool deterministic) {
-  return jax_fa3::flash_bwd::workspace_layout(b, h, s_q, d, deterministic).total;
+  return jax_fa3::flash_bwd::workspace_bytes_any_block_m(b, h, s_q, d, deterministic);
 }
 
 namespace jax_fa3 {

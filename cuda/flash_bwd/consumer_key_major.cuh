@@ -7,6 +7,8 @@
 //   dS^T -> Element registers and into the shared dS tile (rows contiguous), fence.proxy.async,
 //   named barrier (dQ needs both warpgroups' keys);
 //   dQ = dS K (SS, the dS tile is an MN-major A), dK += dS^T Q (RS); dQ is stored while dK runs.
+//   With 80-row Q blocks (Traits::kDqTransposed): dS^T goes to a key-contiguous dS tile by
+//   stmatrix.trans and dQ^T = K^T dS^T (SS, the dS tile a K-major B) takes dQ's place.
 // P never touches shared memory, and dV / dK read only their B operand from it.
 // fp8 (Traits::kFp8, fp8_traits.cuh): S^T = k8 q8^T (e4m3) descaled per (key, row) into the exp2
 // argument, which gives P' = 2^8 r P directly (r is folded into the LSE row); dV += P'^T dO8 and
@@ -77,20 +79,36 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParamsOf<Traits> co
       local_tile(sKs, Shape<_64, Int<kHeadDim>>{}, make_coord(wg, _0{})));
   Tensor tSrV = thr_sdp.partition_fragment_A(
       local_tile(sV, Shape<_64, Int<kHeadDim>>{}, make_coord(wg, _0{})));
-  // dQ: rows [dq_row0, +kDqRows) x d columns [dq_col0, +kDQ), all kBlockN keys.
-  Tensor tdQrdS = thr_dq.partition_fragment_A(local_tile(
-      sdS, Shape<Int<kDqRows>, Int<kBlockN>>{}, make_coord(Traits::dq_row0(wg) / kDqRows, _0{})));
-  Tensor tdQrKt = thr_dq.partition_fragment_B(local_tile(
-      sKt, Shape<Int<kDQ>, Int<kBlockN>>{}, make_coord(Traits::dq_col0(wg) / kDQ, _0{})));
-  // Swizzled byte offsets of this thread's dS^T pairs in the dS tile (32-bit st.shared each).
-  Tensor tdSoff = Traits::pds_store_offsets(thr_sdp, wg);
+  // dQ: rows [dq_row0, +kDqRows) x d columns [dq_col0, +kDQ), all kBlockN keys: A = the dS
+  // slice, B = the K^T slice. Transposed (dQ^T): A = the K^T slice (d columns [dq_col0, +kDQ)),
+  // B = the whole dS tile.
+  auto [tdQrA, tdQrB] = [&] {
+    Tensor kt = local_tile(sKt, Shape<Int<kDQ>, Int<kBlockN>>{},
+                           make_coord(Traits::dq_col0(wg) / kDQ, _0{}));
+    if constexpr (Traits::kDqTransposed) {
+      return cute::make_tuple(thr_dq.partition_fragment_A(kt), thr_dq.partition_fragment_B(sdS));
+    } else {
+      Tensor ds = local_tile(sdS, Shape<Int<kDqRows>, Int<kBlockN>>{},
+                             make_coord(Traits::dq_row0(wg) / kDqRows, _0{}));
+      return cute::make_tuple(thr_dq.partition_fragment_A(ds), thr_dq.partition_fragment_B(kt));
+    }
+  }();
+  // Where this thread's dS^T pairs go in the dS tile: swizzled byte offsets, one 32-bit
+  // st.shared each; transposed dQ: its stmatrix row address (traits: ds_stmatrix_offset).
+  auto tdSoff = [&] {
+    if constexpr (Traits::kDqTransposed) {
+      return Traits::ds_stmatrix_offset(wg, tid);
+    } else {
+      return Traits::pds_store_offsets(thr_sdp, wg);
+    }
+  }();
   const uint32_t ds_smem = cute::cast_smem_ptr_to_uint(ss.ds);
 
   Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<kBlockM>>{});     // S^T, then P^T
   Tensor tSrdP = partition_fragment_C(mma_sdp, Shape<_64, Int<kBlockM>>{});  // dP^T, then dS^T
   Tensor tdVrdV = partition_fragment_C(mma_dkv, Shape<_64, Int<kHeadDim>>{});
   Tensor tdKrdK = partition_fragment_C(mma_dkv, Shape<_64, Int<kHeadDim>>{});
-  Tensor tdQrdQ = partition_fragment_C(mma_dq, Shape<Int<kDqRows>, Int<kDQ>>{});
+  Tensor tdQrdQ = partition_fragment_C(mma_dq, typename Traits::DqTile{});
   // P^T and dS^T as A operands of dV / dK. For 16-bit types the S^T accumulator order is the
   // A-fragment order (the same fact the forward's P V uses), so conversion is element-wise.
   // fp8: P'^T and y^T in e4m3, packed in place order (common/fp8_a_operand.cuh).
@@ -259,20 +277,33 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParamsOf<Traits> co
 
       // Both warpgroups' dQ wgmmas of the previous block have finished reading the dS tile.
       if (it > 0) named_barrier_sync(NamedBarrier::kPdSFree, kMma);
-      CUTE_UNROLL
-      for (int i = 0; i < size(tSrdP); i += 2) {
-        const uint32_t off_b =
-            static_cast<uint32_t>(reinterpret_cast<uintptr_t>(raw_pointer_cast(&tdSoff(i))));
-        if constexpr (kFp8) {  // dS' rounded to 16 bits here only (dK takes it through y)
-          st_shared_b32(ds_smem + off_b, pack2<Element>(tSrdP(i), tSrdP(i + 1)));
-        } else {
-          st_shared_b32(ds_smem + off_b, pack2<Element>(tdKrdS(i), tdKrdS(i + 1)));
+      if constexpr (Traits::kDqTransposed) {
+        static_assert(!kFp8);
+        CUTE_UNROLL
+        for (int x = 0; x < kBlockM / 16; ++x) {
+          auto pair = [&](int q) {
+            const int v = Traits::ds_stmatrix_value(x, q);
+            return pack2<Element>(tdKrdS(v), tdKrdS(v + 1));
+          };
+          stmatrix_x4_trans(ds_smem + tdSoff + x * Traits::kDsStmatrixStepBytes, pair(0), pair(1),
+                            pair(2), pair(3));
+        }
+      } else {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrdP); i += 2) {
+          const uint32_t off_b =
+              static_cast<uint32_t>(reinterpret_cast<uintptr_t>(raw_pointer_cast(&tdSoff(i))));
+          if constexpr (kFp8) {  // dS' rounded to 16 bits here only (dK takes it through y)
+            st_shared_b32(ds_smem + off_b, pack2<Element>(tSrdP(i), tSrdP(i + 1)));
+          } else {
+            st_shared_b32(ds_smem + off_b, pack2<Element>(tdKrdS(i), tdKrdS(i + 1)));
+          }
         }
       }
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma (async proxy)
       named_barrier_sync(NamedBarrier::kPdSReady, kMma);
 
-      wg_gemm<true>(mma_dq, tdQrdS, tdQrKt, tdQrdQ);
+      wg_gemm<true>(mma_dq, tdQrA, tdQrB, tdQrdQ);
       if constexpr (kFp8) {
         // While dQ runs: the block's dK operand maxima (dK is idle: the previous block's dK
         // wgmma completed before its bar_empty arrival), then y^T in e4m3.

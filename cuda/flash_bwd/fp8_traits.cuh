@@ -16,6 +16,7 @@
 // the order the accumulator's values take as A operand (common/fp8_a_operand.cuh). Those two
 // transposed tiles take the place of the 16-bit kernel's transposed views of Q and dO.
 #pragma once
+#include "common/cute_config.h"  // first: before any CuTe header
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 

@@ -1,9 +1,11 @@
 // Host side of one (head-dim bucket, dtype), 16-bit or fp8: zero the workspace, preprocess (16-bit),
 // build the TMA descriptors, launch the main kernel, postprocess. Every CUDA call is checked.
 #pragma once
+#include "common/cute_config.h"  // first: before any CuTe header
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 #include "common/cuda_check.h"
 #include "flash_bwd/fp8_traits.cuh"
@@ -140,10 +142,12 @@ cudaError_t launch_main_and_postprocess(Kernel kernel, const Params& kp, const F
   return cudaSuccess;
 }
 
-template <int kHeadDim, typename Element>
-cudaError_t run_flash_bwd(const FlashBwdParams& p, cudaStream_t stream) {
+// The 16-bit backward with Q blocks of Traits::kBlockM rows.
+template <typename Traits>
+cudaError_t run_flash_bwd_traits(const FlashBwdParams& p, cudaStream_t stream) {
   using namespace cute;
-  using Traits = BwdTraits<kHeadDim, Element>;
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim;
   if (p.d > kHeadDim || p.d % 8 != 0 || p.h_k <= 0 || p.h % p.h_k != 0) return cudaErrorInvalidValue;
   if (p.b == 0 || p.h == 0 || p.d == 0) return cudaSuccess;
   if (p.s_q == 0 || p.s_k == 0) return zero_gradients<Traits>(p, stream);
@@ -179,15 +183,37 @@ cudaError_t run_flash_bwd(const FlashBwdParams& p, cudaStream_t stream) {
   set_tma_q_do_k_v(kp, p);
 
   const bool key_ranges = p.key_ranges != nullptr;
-  auto kernel = key_ranges ? flash_bwd_kernel<Traits, false, true>
-                           : flash_bwd_kernel<Traits, false, false>;
-  if constexpr (Traits::kKeyMajor) {
-    if (kp.has_softcap) {
-      kernel = key_ranges ? flash_bwd_kernel<Traits, true, true>
-                          : flash_bwd_kernel<Traits, true, false>;
+  if constexpr (Traits::kDqTransposed) {  // whole rows, no softcap only (wide_q_blocks)
+    if (key_ranges || kp.has_softcap) return cudaErrorInvalidValue;
+    return launch_main_and_postprocess<Traits>(flash_bwd_kernel<Traits, false, false>, kp, p,
+                                               nullptr, stream);
+  } else {
+    auto kernel = key_ranges ? flash_bwd_kernel<Traits, false, true>
+                             : flash_bwd_kernel<Traits, false, false>;
+    if constexpr (Traits::kKeyMajor) {
+      if (kp.has_softcap) {
+        kernel = key_ranges ? flash_bwd_kernel<Traits, true, true>
+                            : flash_bwd_kernel<Traits, true, false>;
+      }
+    }
+    return launch_main_and_postprocess<Traits>(kernel, kp, p, nullptr, stream);
+  }
+}
+
+// The entry point of bucket kHeadDim: the bucket's kernel, or at d = 128 the one with 80-row Q
+// blocks where block_m_for_call takes it (its own translation unit).
+template <int kHeadDim, typename Element>
+cudaError_t run_flash_bwd(const FlashBwdParams& p, cudaStream_t stream) {
+  if constexpr (kHeadDim == 128) {
+    if (block_m_for_call(p) == kWideBlockM) {
+      if constexpr (std::is_same_v<Element, cutlass::bfloat16_t>) {
+        return run_flash_bwd_hdim128_rows80_bf16(p, stream);
+      } else {
+        return run_flash_bwd_hdim128_rows80_fp16(p, stream);
+      }
     }
   }
-  return launch_main_and_postprocess<Traits>(kernel, kp, p, nullptr, stream);
+  return run_flash_bwd_traits<BwdTraits<kHeadDim, Element>>(p, stream);
 }
 
 // The fp8 backward (fp8_traits.cuh): no preprocess (the caller computed D and LSE'), TMA
@@ -247,6 +273,15 @@ cudaError_t run_flash_bwd_fp8(const FlashBwdFp8Params& p, cudaStream_t stream) {
   cudaError_t run_flash_bwd_hdim##D##_##DT(const FlashBwdParams& params, cudaStream_t stream) { \
     return run_flash_bwd<D, ELEMENT>(params, stream);                                      \
   }                                                                                        \
+  }
+
+// Defines run_flash_bwd_hdim128_rows80_<dtype> (params.h).
+#define JAX_FA3_INSTANTIATE_FLASH_BWD_ROWS80(DT, ELEMENT)                                  \
+  namespace jax_fa3::flash_bwd {                                                          \
+  cudaError_t run_flash_bwd_hdim128_rows80_##DT(const FlashBwdParams& params,             \
+                                                cudaStream_t stream) {                    \
+    return run_flash_bwd_traits<BwdTraits<128, ELEMENT, kWideBlockM>>(params, stream);    \
+  }                                                                                       \
   }
 
 // Defines run_flash_bwd_fp8_hdim<D>_<dtype>, the entry point declared in params.h.

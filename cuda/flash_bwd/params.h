@@ -16,6 +16,20 @@ namespace jax_fa3::flash_bwd {
 // still fit; 64 elsewhere. The workspace layout below depends on it.
 constexpr int block_m_for_bucket(int bucket) { return bucket <= 64 ? 128 : 64; }
 
+// 80-row Q blocks at d = 128 (FlashAttention-3's choice there): S^T / dP^T with N = 80 read
+// (64 + 80) / (64 * 80) shared-memory bytes per FLOP instead of (64 + 64) / (64 * 64), and each
+// Q block's fixed work (barriers, the dQ hand-off, LSE and D) is spread over 25% more rows. dQ
+// is then computed transposed (traits.cuh). Taken for unmasked calls only (no causal mask or
+// window: their diagonal blocks would waste more of a taller tile; no key ranges, whose covers are
+// 64-row granules; no softcap, one more kernel for a rare case) of at least 1024 queries (the
+// padding to whole blocks costs < 2%), and not for MQA (one kv head: a few long CTAs).
+constexpr int kWideBlockM = 80;
+inline bool wide_q_blocks(int bucket, int64_t s_q, int64_t h_k, int window_left, int window_right,
+                          float softcap, bool key_ranges) {
+  return bucket == 128 && s_q >= 1024 && h_k > 1 && window_left < 0 && window_right < 0 &&
+         softcap == 0.f && !key_ranges;
+}
+
 struct FlashBwdParams {
   // Inputs, contiguous: q/out/dout (b, s_q, h, d); k/v (b, s_k, h_k, d); lse (b, h, s_q) fp32.
   const void* q;
@@ -65,15 +79,14 @@ struct WorkspaceLayout {
 // row_stats: LSE*log2(e) and D have a place here (the 16-bit kernel's preprocess writes them;
 // the fp8 kernel takes them as inputs).
 inline WorkspaceLayout dq_workspace_layout(int64_t b, int64_t h, int64_t s_q, int64_t d,
-                                           int64_t d_pad, bool deterministic, bool row_stats) {
-  const int64_t block_m = block_m_for_bucket(static_cast<int>(d_pad));
+                                           int64_t d_pad, int64_t block_m, bool deterministic,
+                                           bool row_stats) {
   const int64_t s_q_pad = round_up(s_q, block_m);
   WorkspaceLayout w{};
   w.has_row_stats = row_stats;
   const size_t row_stats_bytes = round_up(4 * b * h * s_q_pad, 256);
-  // s_q_pad is a multiple of 64, so row_stats_bytes is 4 b h s_q_pad exactly: both fit in the dq
-  // result's 2 b s_q h d bytes iff 4 s_q_pad <= s_q d.
-  w.row_stats_in_dq = row_stats && 4 * s_q_pad <= s_q * d;
+  // Both rows of statistics in the dq result's 2 b s_q h d bytes (16-bit dq).
+  w.row_stats_in_dq = row_stats && 2 * row_stats_bytes <= size_t(2 * b * s_q * h * d);
   size_t off = 0;
   w.dq_accum = off;
   off += round_up(4 * b * h * s_q_pad * d_pad, 256);
@@ -92,11 +105,34 @@ inline WorkspaceLayout dq_workspace_layout(int64_t b, int64_t h, int64_t s_q, in
   return w;
 }
 
-// The 16-bit kernel's workspace.
+// The 16-bit kernel's workspace for Q blocks of block_m rows (the launch's choice: the bucket's
+// default or kWideBlockM).
 inline WorkspaceLayout workspace_layout(int64_t b, int64_t h, int64_t s_q, int64_t d,
-                                        bool deterministic) {
+                                        int64_t block_m, bool deterministic) {
   const int bucket = head_dim_bucket(static_cast<int>(d));
-  return dq_workspace_layout(b, h, s_q, d, bucket > 0 ? bucket : d, deterministic, true);
+  return dq_workspace_layout(b, h, s_q, d, bucket > 0 ? bucket : d, block_m, deterministic, true);
+}
+
+// Rows per Q block of a 16-bit call (what run_flash_bwd launches).
+inline int block_m_for_call(const FlashBwdParams& p) {
+  const int bucket = head_dim_bucket(p.d);
+  return wide_q_blocks(bucket, p.s_q, p.h_k, p.window_left, p.window_right, p.softcap,
+                       p.key_ranges != nullptr)
+             ? kWideBlockM
+             : block_m_for_bucket(bucket);
+}
+
+// The bytes a 16-bit call's workspace may need, whichever Q-block height the call takes (the
+// caller sizes the buffer without the masks and scalars that decide it).
+inline size_t workspace_bytes_any_block_m(int64_t b, int64_t h, int64_t s_q, int64_t d,
+                                          bool deterministic) {
+  const int bucket = head_dim_bucket(static_cast<int>(d));
+  const size_t usual =
+      workspace_layout(b, h, s_q, d, block_m_for_bucket(bucket > 0 ? bucket : 64), deterministic)
+          .total;
+  if (bucket != 128) return usual;
+  const size_t wide = workspace_layout(b, h, s_q, d, kWideBlockM, deterministic).total;
+  return wide > usual ? wide : usual;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -140,7 +176,9 @@ struct FlashBwdFp8Params : FlashBwdParams {
 inline WorkspaceLayout fp8_workspace_layout(int64_t b, int64_t h, int64_t s_q, int64_t d,
                                             bool deterministic) {
   const int bucket = fp8_bwd_head_dim_bucket(static_cast<int>(d));
-  return dq_workspace_layout(b, h, s_q, d, bucket > 0 ? bucket : d, deterministic, false);
+  const int64_t d_pad = bucket > 0 ? bucket : d;
+  return dq_workspace_layout(b, h, s_q, d, d_pad, block_m_for_bucket(static_cast<int>(d_pad)),
+                             deterministic, false);
 }
 
 // One per compiled (bucket, 16-bit dtype); defined in
@@ -167,6 +205,10 @@ JAX_FA3_DECLARE_FLASH_BWD(96, fp16)
 JAX_FA3_DECLARE_FLASH_BWD(128, fp16)
 JAX_FA3_DECLARE_FLASH_BWD(192, fp16)
 JAX_FA3_DECLARE_FLASH_BWD(256, fp16)
+// The d = 128 kernel with 80-row Q blocks (wide_q_blocks), called by the d = 128 entry points;
+// defined in cuda/instantiations/flash_bwd_hdim128_<dtype>_rows80.cu.
+JAX_FA3_DECLARE_FLASH_BWD(128_rows80, bf16)
+JAX_FA3_DECLARE_FLASH_BWD(128_rows80, fp16)
 #undef JAX_FA3_DECLARE_FLASH_BWD
 
 }  // namespace jax_fa3::flash_bwd

@@ -26,7 +26,6 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads)
   using namespace cute;
   using ElementGrad = typename Traits::ElementGrad;
   constexpr int kBlockM = Traits::kBlockM;
-  constexpr int kDQ = Traits::kDQ;
   constexpr int kHeadDim = Traits::kHeadDim;
   const int m = blockIdx.x;
   const int head = blockIdx.y;
@@ -36,9 +35,7 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads)
 
   typename Traits::MmadQ mma_dq;
   auto thr_dq = mma_dq.get_thread_slice(tid);
-  Tensor coord =
-      thr_dq.partition_C(make_identity_tensor(Shape<Int<Traits::kDqRows>, Int<kDQ>>{}));
-  const int col0 = Traits::dq_col0(wg);
+  Tensor coord = thr_dq.partition_C(make_identity_tensor(typename Traits::DqTile{}));
 
   // 16-byte pieces: 8 16-bit or 4 float elements. Rows padded by one piece: the 8 rows x 4
   // column pairs of one fragment store spread over the banks (16-bit: 32 different banks).
@@ -60,10 +57,13 @@ __global__ void __launch_bounds__(Traits::kNumMmaThreads)
     }
     CUTE_UNROLL
     for (int j = 0; j < kVec; j += 2) {
-      const int row = Traits::dq_row0(wg) + get<0>(coord(i + j));
-      const int col = col0 + get<1>(coord(i + j));  // even
+      const int row = Traits::dq_row(coord(i + j), wg);
+      const int col = Traits::dq_col(coord(i + j), wg);  // even, unless transposed
       ElementGrad* at = &tile[row * kRowElems + col];
-      if constexpr (Traits::kFp8) {
+      if constexpr (Traits::kDqTransposed) {  // the pair is (row, col), (row + 1, col)
+        at[0] = ElementGrad(v[j] * scale);
+        at[kRowElems] = ElementGrad(v[j + 1] * scale);
+      } else if constexpr (Traits::kFp8) {
         const int q_row = m * kBlockM + row;
         const float rs =
             q_row < s_q ? __ldg(row_scale + (int64_t(batch) * h + head) * s_q + q_row) : 0.f;

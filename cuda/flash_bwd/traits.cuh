@@ -2,6 +2,7 @@
 // tile sizes, shared-memory layouts (CuTe, GMMA-swizzled), the five wgmma TiledMMAs, the TMA types
 // and the shared-memory struct. See README.md for the reasoning behind every number here.
 #pragma once
+#include "common/cute_config.h"  // first: before any CuTe header
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
@@ -28,7 +29,39 @@ auto make_tma_load_sdhb(Element const* ptr, ShapeSDHB const& shape, StrideSDHB c
                        tile, _1{});
 }
 
-template <int kHeadDim_, typename Element_>
+// S and dP (key-major: S^T, dP^T) of one warpgroup: (64 keys, kBlockM rows) or (kBlockM rows,
+// kNS keys), both operands K-major in shared memory. (A function for the reason below.)
+template <typename Element, bool kKeyMajor, int kBlockM, int kNS, int kHeadDim>
+auto make_mma_sdp() {
+  using namespace cute;
+  using Tile = std::conditional_t<kKeyMajor, Shape<_64, Int<kBlockM>, Int<kHeadDim>>,
+                                  Shape<Int<kBlockM>, Int<kNS>, Int<kHeadDim>>>;
+  return make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Tile, GMMA::Major::K, GMMA::Major::K>());
+}
+
+// The dQ GEMM of one warpgroup: (kRows, kCols) = (rows, d columns) of dQ = dS K, A = the dS
+// tile (MN-major when key-major), B = K^T (MN-major); transposed, (d columns, rows) of dQ^T =
+// K^T dS^T, A = K^T (MN-major), B = the dS tile (K-major). (A function, not std::conditional_t,
+// which would instantiate the 80-row M that no wgmma has.)
+template <typename Element, bool kTransposed, bool kKeyMajor, int kRows, int kCols, int kBlockN>
+auto make_mma_dq() {
+  using namespace cute;
+  if constexpr (kTransposed) {
+    return make_tiled_mma(GMMA::ss_op_selector<Element, Element, float,
+                                               Shape<Int<kCols>, Int<kRows>, Int<kBlockN>>,
+                                               GMMA::Major::MN, GMMA::Major::K>());
+  } else {
+    return make_tiled_mma(GMMA::ss_op_selector<Element, Element, float,
+                                               Shape<Int<kRows>, Int<kCols>, Int<kBlockN>>,
+                                               kKeyMajor ? GMMA::Major::MN : GMMA::Major::K,
+                                               GMMA::Major::MN>());
+  }
+}
+
+// kBlockM_: rows per Q block; the bucket's default (block_m_for_bucket) or, at d = 128 without
+// masks, kWideBlockM (80: params.h, wide_q_blocks), which computes dQ transposed (below).
+template <int kHeadDim_, typename Element_, int kBlockM_ = block_m_for_bucket(kHeadDim_)>
 struct BwdTraits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
   using ElementGrad = Element;  // dq, dk, dv (the fp8 variant, fp8_traits.cuh: float32)
@@ -42,7 +75,7 @@ struct BwdTraits {
   // every operand read saved counts. Row-major (d = 192, 256): S = Q K^T per warpgroup over
   // half of a 64-key block, dK/dV split along d (both 64 x d accumulators would not fit).
   static constexpr bool kKeyMajor = kHeadDim <= 128;
-  static constexpr int kBlockM = block_m_for_bucket(kHeadDim);  // query rows per Q block
+  static constexpr int kBlockM = kBlockM_;  // query rows per Q block
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;   // key rows per CTA
   static constexpr int kStages = 2;                            // Q/dO/LSE/D pipeline depth
   static constexpr int kNumMmaWarpGroups = 2;
@@ -67,16 +100,20 @@ struct BwdTraits {
   //  row-major: S, dP: all rows x keys [wg*kNS, (wg+1)*kNS); dK/dV: all 64 keys x d columns
   //             [wg*d/2, (wg+1)*d/2).
   //  dQ: kBlockM = 128: rows [wg*64, wg*64+64) x all d; kBlockM = 64: all rows x d columns
-  //      [wg*d/2, (wg+1)*d/2). Every GEMM has one 64-row wgmma M per warpgroup.
+  //      [wg*d/2, (wg+1)*d/2); kBlockM = 80 (not a multiple of the wgmma M of 64): dQ^T = K^T dS^T,
+  //      d columns [wg*64, wg*64+64) on M, all 80 rows on N (d = 128 only). Every GEMM has one
+  //      64-row wgmma M per warpgroup.
   static constexpr int kNS = kKeyMajor ? 64 : kBlockN / 2;  // keys per warpgroup in S / S^T
   static constexpr int kWgAlongN = kBlockN / 64;  // 2: dK/dV split along keys, 1: along d
   static constexpr int kDKV = kHeadDim * kWgAlongN / 2;
   static constexpr bool kDqAlongM = kBlockM == 128;
+  static constexpr bool kDqTransposed = kBlockM % 64 != 0;
   static constexpr int kDqRows = kDqAlongM ? 64 : kBlockM;
   static constexpr int kDQ = kDqAlongM ? kHeadDim : kHeadDim / 2;
   static_assert(kBlockN / kWgAlongN == 64);
   static_assert(!kKeyMajor || kWgAlongN == 2, "key-major needs 64 keys per warpgroup");
-  static_assert(kBlockM == 64 || (kBlockM == 128 && kKeyMajor));
+  static_assert(kBlockM == 64 || (kBlockM == 128 && kKeyMajor) ||
+                (kBlockM == kWideBlockM && kKeyMajor && kHeadDim == 128));
 
   // Q, K, V, dO tiles: d contiguous (K-major for S = QK^T and dP = dO V^T). The swizzle width must
   // divide the d-slice a warpgroup takes (d/2 where dQ or dK/dV are split along d) so that the
@@ -102,8 +139,12 @@ struct BwdTraits {
   // fragment pairs are adjacent keys), K-major A of dQ = dS K. Key-major: row index contiguous
   // (S^T fragment pairs are adjacent rows), MN-major A of dQ = dS K. Either way the element
   // pairs a thread holds are one 32-bit store, and a warp's stores hit 8 swizzled 16-byte chunks.
-  using SmemAtomPdS = std::conditional_t<kKeyMajor, cute::GMMA::Layout_MN_SW128_Atom<Element>,
-                                         cute::GMMA::Layout_K_SW128_Atom<Element>>;
+  // Transposed dQ (80 rows, which no 64-row MN-major atom tiles): key index contiguous, the
+  // K-major B of dQ^T = K^T dS^T, written from the S^T fragments by stmatrix.trans (8 x 8
+  // blocks land transposed: a fragment's 8 keys of one row are one 16-byte row of a block).
+  using SmemAtomPdS =
+      std::conditional_t<kKeyMajor && !kDqTransposed, cute::GMMA::Layout_MN_SW128_Atom<Element>,
+                         cute::GMMA::Layout_K_SW128_Atom<Element>>;
   using SmemLayoutPdS = decltype(cute::tile_to_shape(
       SmemAtomPdS{}, cute::Shape<cute::Int<kBlockM>, cute::Int<kBlockN>>{}));
   // (keys, rows) view of the same bytes.
@@ -113,16 +154,10 @@ struct BwdTraits {
 
   // One warpgroup's GEMMs (128 threads, fp32 accumulators).
   //  S (S^T) and dP (dP^T): both operands from shared memory, K-major.
-  using MmaSdP = std::conditional_t<
-      kKeyMajor,
-      decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
-               Element, Element, float,
-               cute::Shape<cute::_64, cute::Int<kBlockM>, cute::Int<kHeadDim>>,
-               cute::GMMA::Major::K, cute::GMMA::Major::K>())),
-      decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
-               Element, Element, float,
-               cute::Shape<cute::Int<kBlockM>, cute::Int<kNS>, cute::Int<kHeadDim>>,
-               cute::GMMA::Major::K, cute::GMMA::Major::K>()))>;
+  using MmaSdP = decltype(make_mma_sdp<Element, kKeyMajor, kBlockM, kNS, kHeadDim>());
+  // Whole-width wgmma atoms (one instruction per k-step): a narrower atom, which the selector
+  // takes silently without common/cute_config.h, re-reads A from shared memory per atom.
+  static_assert(cute::size<1>(typename MmaSdP::AtomShape_MNK{}) == (kKeyMajor ? kBlockM : kNS));
   //  S (S^T) alone: the same GEMM here, e4m3 in the fp8 variant.
   using MmaS = MmaSdP;
   //  dV += P^T dO, dK += dS^T Q: A from registers (key-major) or the transposed P / dS tile.
@@ -136,10 +171,24 @@ struct BwdTraits {
                Element, Element, float,
                cute::Shape<cute::_64, cute::Int<kDKV>, cute::Int<kBlockM>>,
                cute::GMMA::Major::MN, cute::GMMA::Major::MN>()))>;
-  //  dQ = dS K: A = the dS tile (rows x keys), B = the transposed view of K.
-  using MmadQ = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
-      Element, Element, float, cute::Shape<cute::Int<kDqRows>, cute::Int<kDQ>, cute::Int<kBlockN>>,
-      kKeyMajor ? cute::GMMA::Major::MN : cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+  //  dQ = dS K: A = the dS tile (rows x keys), B = the transposed view of K. Transposed:
+  //  dQ^T = K^T dS^T, A = the transposed view of K (d x keys, MN-major), B = the dS tile (K-major).
+  using MmadQ = decltype(make_mma_dq<Element, kDqTransposed, kKeyMajor, kDqRows, kDQ, kBlockN>());
+  static_assert(cute::size<1>(typename MmadQ::AtomShape_MNK{}) == (kDqTransposed ? kBlockM : kDQ));
+  // One warpgroup's dQ accumulator tile, (rows, d columns), or (d columns, rows) transposed, and
+  // where its coordinate c sits in the (kBlockM, kHeadDim) block.
+  using DqTile = std::conditional_t<kDqTransposed, cute::Shape<cute::Int<kDQ>, cute::Int<kBlockM>>,
+                                    cute::Shape<cute::Int<kDqRows>, cute::Int<kDQ>>>;
+  template <typename C>
+  CUTE_HOST_DEVICE static constexpr int dq_row(C const& c, int wg) {
+    if constexpr (kDqTransposed) return cute::get<1>(c);
+    else return dq_row0(wg) + cute::get<0>(c);
+  }
+  template <typename C>
+  CUTE_HOST_DEVICE static constexpr int dq_col(C const& c, int wg) {
+    if constexpr (kDqTransposed) return dq_col0(wg) + cute::get<0>(c);
+    else return dq_col0(wg) + cute::get<1>(c);
+  }
 
   // Where accumulator thread `thr` of warpgroup wg writes its S (S^T) fragment into the P / dS
   // tile: byte offsets from a 1024-aligned tile base, i.e. the same partition of the same layout
@@ -157,6 +206,27 @@ struct BwdTraits {
           Shape<Int<kBlockM>, Int<kNS>>{}, make_coord(_0{}, wg)));
     }
   }
+  // Transposed dQ: the dS^T fragments go to the dS tile by stmatrix.trans, x4 number x of a
+  // thread covering S^T fragment columns (query rows) [16 x, 16 x + 16). Lane 8 q + i gives the
+  // address of row i of block q: query row 8 (q / 2) + i + 16 x, keys 16 (warp in warpgroup) +
+  // 8 (q % 2) onwards of warpgroup wg's 64. The offset at x = 0 (bytes from the tile base), and
+  // the step per x: 16 rows are two whole 8-row swizzle atoms, so the swizzle repeats
+  // (tests/cuda/check_bwd_layouts.cu checks both, and which fragment pair each block takes).
+  CUTE_HOST_DEVICE static uint32_t ds_stmatrix_offset(int wg, int tid) {
+    using namespace cute;
+    const int lane = tid % 32, q = lane / 8;
+    Tensor t = make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), SmemLayoutPdS{});
+    const int row = 8 * (q / 2) + lane % 8;
+    const int key = wg * 64 + 16 * (tid / 32) + 8 * (q % 2);
+    return static_cast<uint32_t>(reinterpret_cast<uintptr_t>(raw_pointer_cast(&t(row, key))));
+  }
+  static constexpr uint32_t kDsStmatrixStepBytes = 16 * 64 * sizeof(Element);
+  // S^T fragment index of the first element of block q of x4 number x (the pair is it and the
+  // next): the n8 column chunk j = 2 x + q / 2, key half q % 2.
+  CUTE_HOST_DEVICE static constexpr int ds_stmatrix_value(int x, int q) {
+    return 4 * (2 * x + q / 2) + 2 * (q % 2);
+  }
+
   // The S (S^T) accumulator tile of one warpgroup, and which of its modes is the query row.
   using TileS = std::conditional_t<kKeyMajor, cute::Shape<cute::_64, cute::Int<kBlockM>>,
                                    cute::Shape<cute::Int<kBlockM>, cute::Int<kNS>>>;
@@ -200,8 +270,9 @@ struct BwdTraits {
   }
 
   // sdq buffers: two for key-major (d <= 128: 160-208 KB), so the bulk reduce of one Q block's
-  // partial reads while the consumers store the next one; one at d >= 192 (no room).
-  static constexpr int kDqStages = kKeyMajor ? 2 : 1;
+  // partial reads while the consumers store the next one; one at d >= 192 and with 80-row Q
+  // blocks (no room: 245 KB with two).
+  static constexpr int kDqStages = kKeyMajor && !kDqTransposed ? 2 : 1;
 
   static constexpr int kSizeQ = cute::cosize_v<SmemLayoutQ>;     // elements per stage
   static constexpr int kSizeKV = cute::cosize_v<SmemLayoutKV>;

@@ -3,7 +3,7 @@
 // warpgroups (2, or 3 for fp8 d64) work on the same tile, 64 rows each, and walk the same K/V
 // blocks (n_max - 1 down to n_min), so every barrier count below is per tile.
 #pragma once
-#include "flash_fwd/cute_config.h"
+#include "common/cute_config.h"
 #include <cute/tensor.hpp>
 #include <type_traits>
 #include <utility>

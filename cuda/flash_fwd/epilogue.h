@@ -2,7 +2,7 @@
 // memory (Traits::o_smem: O's own buffer, or Q's) with stmatrix -> one TMA store that clips
 // rows >= s_q and columns >= d; LSE straight from registers.
 #pragma once
-#include "flash_fwd/cute_config.h"
+#include "common/cute_config.h"
 #include <cute/tensor.hpp>
 #include <cute/atom/copy_traits_sm90.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>

@@ -2,7 +2,7 @@
 // a __grid_constant__ so the descriptors live in parameter space as TMA requires), the scalars and
 // the tile scheduler.
 #pragma once
-#include "flash_fwd/cute_config.h"
+#include "common/cute_config.h"
 #include <type_traits>
 #include <cute/tensor.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>

@@ -1,7 +1,7 @@
 // Compile-time shape of one forward instantiation: tile sizes, shared-memory layouts, wgmma
 // tiled MMAs, and the shared-storage struct. Everything a bucket decides lives here.
 #pragma once
-#include "flash_fwd/cute_config.h"
+#include "common/cute_config.h"
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_atom.hpp>
 #include <cute/atom/copy_atom.hpp>

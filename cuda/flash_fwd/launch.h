@@ -1,7 +1,7 @@
 // Host side of one instantiation: TMA descriptors, scalars, grid, shared-memory attribute, launch.
 // Included only by cuda/instantiations/flash_fwd_hdim<D>_<dtype>.cu.
 #pragma once
-#include "flash_fwd/cute_config.h"
+#include "common/cute_config.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -1,7 +1,7 @@
 // Host side shared by the 16-bit (launch.h) and fp8 (fp8/launch.h) launches: the kernel
 // parameters with their TMA descriptors, the SM count, and the launch itself.
 #pragma once
-#include "flash_fwd/cute_config.h"
+#include "common/cute_config.h"
 #include <cuda_runtime.h>
 #include <cute/tensor.hpp>
 

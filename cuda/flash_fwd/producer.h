@@ -14,7 +14,7 @@
 // empty). Stage/phase advance identically on both sides because both walk the same tiles and
 // the same block ranges.
 #pragma once
-#include "flash_fwd/cute_config.h"
+#include "common/cute_config.h"
 #include <cute/tensor.hpp>
 
 #include "flash_fwd/barriers.h"

@@ -5,7 +5,7 @@
 // types (k16 chunk = two 8-column chunks), which is why P can be handed to the PV GEMM without
 // any shuffle.
 #pragma once
-#include "flash_fwd/cute_config.h"
+#include "common/cute_config.h"
 #include <climits>
 #include <cmath>
 #include <cute/tensor.hpp>

@@ -1,6 +1,6 @@
 // Issuing one warpgroup GEMM (a batch of wgmma over the K extent) with CuTe's SM90 atoms.
 #pragma once
-#include "flash_fwd/cute_config.h"
+#include "common/cute_config.h"
 #include <cute/tensor.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 

@@ -15,28 +15,81 @@
 #include <cstdio>
 #include <vector>
 
-#include <cute/tensor.hpp>  // before traits.cuh, as in the kernel TUs
+#include "common/cute_config.h"  // first, as in the kernel TUs
+#include <cute/tensor.hpp>
 
 #include "flash_bwd/traits.cuh"
 
 using namespace cute;
 using jax_fa3::flash_bwd::BwdTraits;
 
-template <int kHeadDim>
-int check_bucket() {
-  using Traits = BwdTraits<kHeadDim, cutlass::bfloat16_t>;
+// 1c. Transposed dQ (80-row Q blocks): the stmatrix.trans stores of the dS^T fragments. For
+// every thread and x4 number x, block q takes the S^T fragment pair (v, v + 1), v =
+// ds_stmatrix_value(x, q), which must sit at (key 16 w + 8 (q % 2) + lane / 4, rows 8 j +
+// 2 (lane % 4) and + 1), j = 2 x + q / 2 (the pair stmatrix expects of that lane); the lane's
+// row address (ds_stmatrix_offset + x * kDsStmatrixStepBytes) must be that of (row 8 j +
+// lane % 8, key 16 w + 8 (q % 2)) in the dS tile with the next 7 keys after it, and the stores
+// cover the (kBlockM, kBlockN) tile exactly once.
+template <typename Traits, typename Fail>
+void check_ds_stmatrix(Fail&& fail) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
-  constexpr int kDQ = Traits::kDQ, kDqRows = Traits::kDqRows;
-  int errors = 0;
-  auto fail = [&](const char* what, int wg, int t, int i) {
-    if (errors++ < 10) std::printf("d=%d: %s (wg %d, thread %d, i %d)\n", kHeadDim, what, wg, t, i);
+  Tensor tile = make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)),
+                            typename Traits::SmemLayoutPdS{});
+  auto offset = [&](int row, int key) {
+    return reinterpret_cast<uintptr_t>(raw_pointer_cast(&tile(row, key)));
   };
-
-  // 1. P/dS offsets.
   std::vector<int> hits(kBlockM * kBlockN, 0);
   typename Traits::MmaSdP mma_sdp;
   for (int wg = 0; wg < 2; ++wg) {
+    for (int t = 0; t < 128; ++t) {
+      Tensor rc = mma_sdp.get_thread_slice(t).partition_C(
+          make_identity_tensor(typename Traits::TileS{}));
+      const int lane = t % 32, w = t / 32;
+      for (int x = 0; x < kBlockM / 16; ++x) {
+        for (int q = 0; q < 4; ++q) {
+          const int v = Traits::ds_stmatrix_value(x, q), j = 2 * x + q / 2;
+          const int key = 16 * w + 8 * (q % 2) + lane / 4, row = 8 * j + 2 * (lane % 4);
+          if (get<0>(rc(v)) != key || get<1>(rc(v)) != row || get<0>(rc(v + 1)) != key ||
+              get<1>(rc(v + 1)) != row + 1) {
+            fail("stmatrix block's fragment pair", wg, t, v);
+          }
+        }
+        const int q = lane / 8;
+        const int row = 8 * (2 * x + q / 2) + lane % 8, key0 = wg * 64 + 16 * w + 8 * (q % 2);
+        const uintptr_t at = Traits::ds_stmatrix_offset(wg, t) + x * Traits::kDsStmatrixStepBytes;
+        for (int k = 0; k < 8; ++k) {
+          if (offset(row, key0 + k) != at + 2 * k) fail("stmatrix row address", wg, t, x);
+          const uintptr_t e = offset(row, key0 + k) / 2;
+          if (e < uintptr_t(kBlockM * kBlockN)) hits[e]++;
+        }
+      }
+    }
+  }
+  for (int e = 0; e < kBlockM * kBlockN; ++e) {
+    if (hits[e] != 1) { fail("dS tile element not written exactly once", -1, -1, e); break; }
+  }
+}
+
+template <typename Traits>
+int check_traits() {
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  int errors = 0;
+  auto fail = [&](const char* what, int wg, int t, int i) {
+    if (errors++ < 10) {
+      std::printf("d=%d, %d rows: %s (wg %d, thread %d, i %d)\n", kHeadDim, kBlockM, what, wg, t, i);
+    }
+  };
+
+  // 1. P/dS offsets (1c for the transposed dQ's stmatrix stores).
+  std::vector<int> hits(kBlockM * kBlockN, 0);
+  typename Traits::MmaSdP mma_sdp;
+  if constexpr (Traits::kDqTransposed) {
+    check_ds_stmatrix<Traits>(fail);
+    hits.assign(kBlockM * kBlockN, 1);
+  } else for (int wg = 0; wg < 2; ++wg) {
     for (int t = 0; t < 128; ++t) {
       auto thr = mma_sdp.get_thread_slice(t);
       Tensor off = Traits::pds_store_offsets(thr, wg);
@@ -80,17 +133,21 @@ int check_bucket() {
   for (int wg = 0; wg < 2; ++wg) {
     for (int t = 0; t < 128; ++t) {
       auto thr = mma_dq.get_thread_slice(t);
-      Tensor coord = thr.partition_C(make_identity_tensor(Shape<Int<kDqRows>, Int<kDQ>>{}));
-      if (size(coord) * 128 != kDqRows * kDQ) fail("dQ fragment size", wg, t, 0);
+      Tensor coord = thr.partition_C(make_identity_tensor(typename Traits::DqTile{}));
+      if (size(coord) * 128 != Traits::kDqWgFloats) fail("dQ fragment size", wg, t, 0);
       for (int i = 0; i < size(coord); ++i) {
-        const int r = Traits::dq_row0(wg) + get<0>(coord(i));
-        const int c = Traits::dq_col0(wg) + get<1>(coord(i));
+        const int r = Traits::dq_row(coord(i), wg);
+        const int c = Traits::dq_col(coord(i), wg);
+        if (r < 0 || r >= kBlockM || c < 0 || c >= kHeadDim) { fail("dQ cell outside", wg, t, i); continue; }
         cell[r * kHeadDim + c]++;
         slot[wg * Traits::kDqWgFloats + Traits::dq_slot(i, t)]++;
-        if (i % 2 == 0 && (c % 2 != 0 || Traits::dq_row0(wg) + get<0>(coord(i + 1)) != r ||
-                           Traits::dq_col0(wg) + get<1>(coord(i + 1)) != c + 1)) {
-          fail("dQ pair not (r, c), (r, c + 1) with c even", wg, t, i);
-        }
+        // The postprocess stores pairs: (r, c), (r, c + 1) with c even; transposed (r, c),
+        // (r + 1, c).
+        const int r1 = Traits::dq_row(coord(i + 1 - i % 2), wg);
+        const int c1 = Traits::dq_col(coord(i + 1 - i % 2), wg);
+        const bool pair_ok = Traits::kDqTransposed ? (r1 == r + 1 && c1 == c)
+                                                   : (c % 2 == 0 && r1 == r && c1 == c + 1);
+        if (i % 2 == 0 && !pair_ok) fail("dQ pair not adjacent as the postprocess stores it", wg, t, i);
       }
     }
   }
@@ -100,12 +157,19 @@ int check_bucket() {
   for (int e = 0; e < Traits::kDqChunkFloats; ++e) {
     if (slot[e] != 1) { fail("dQ chunk slot not used exactly once", -1, -1, e); break; }
   }
-  std::printf("d=%d: %s\n", kHeadDim, errors ? "FAILED" : "ok");
+  std::printf("d=%d, %d rows: %s\n", kHeadDim, kBlockM, errors ? "FAILED" : "ok");
   return errors;
 }
 
+template <int kHeadDim>
+int check_bucket() {
+  return check_traits<BwdTraits<kHeadDim, cutlass::bfloat16_t>>();
+}
+
 int main() {
-  const int errors = check_bucket<64>() + check_bucket<96>() + check_bucket<128>() +
-                     check_bucket<192>() + check_bucket<256>();
+  const int errors =
+      check_bucket<64>() + check_bucket<96>() + check_bucket<128>() + check_bucket<192>() +
+      check_bucket<256>() +
+      check_traits<BwdTraits<128, cutlass::bfloat16_t, jax_fa3::flash_bwd::kWideBlockM>>();
   return errors ? 1 : 0;
 }

@@ -1,7 +1,7 @@
 // Host side of one fp8 instantiation: the V transpose pre-pass, TMA descriptors, launch.
 // Included only by cuda/instantiations/flash_fwd_hdim<D>_e4m3*.cu (and the timing tool).
 #pragma once
-#include "flash_fwd/cute_config.h"
+#include "common/cute_config.h"
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -14,7 +14,7 @@
 // - the accumulator holds one block (zeroed by the block's first k-step) and is folded into fp32
 //   registers when O is rescaled.
 #pragma once
-#include "flash_fwd/cute_config.h"
+#include "common/cute_config.h"
 #include <cute/tensor.hpp>
 
 #include "flash_fwd/softmax.h"

@@ -1,7 +1,7 @@
 // fp8-only pieces of the consumer: score descaling, the online softmax with per-row scales and
 // the 2^6 shift of P, and P -> packed e4m3 A-operand registers (layout: fp8/layout.h).
 #pragma once
-#include "flash_fwd/cute_config.h"
+#include "common/cute_config.h"
 #include <cmath>
 #include <cstdint>
 #include <cute/tensor.hpp>
