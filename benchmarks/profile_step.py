@@ -4,6 +4,8 @@
       python benchmarks/profile_step.py --direction bwd --seqlen 8192 --head-dim 128
 
 --direction fp8 runs the e4m3 forward (its V transpose pre-pass is a second kernel).
+--impl fa3_kernels runs FlashAttention-3's own kernels instead (the flash-attn3-jax package,
+d = 128; its backward kernel matches -k regex:FlashAttnBwd).
 """
 from __future__ import annotations
 
@@ -26,12 +28,16 @@ def main():
   parser.add_argument("--width", type=int, default=2048)
   parser.add_argument("--causal", action="store_true")
   parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--impl", choices=("jax_fa3", "fa3_kernels"), default="jax_fa3")
   args = parser.parse_args()
   s, d = args.seqlen, args.head_dim
   b, h = max(1, args.tokens // s), args.width // d
   q, k, v = _bench.random_qkv(jax.random.PRNGKey(0), b, s, h, d, jnp.bfloat16)
   do = jax.random.normal(jax.random.PRNGKey(1), q.shape, jnp.float32).astype(jnp.bfloat16)
   attention = lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=args.causal)
+  if args.impl == "fa3_kernels":
+    from flash_attn3_jax import flash_mha  # noqa: PLC0415
+    attention = lambda q, k, v: flash_mha(q, k, v, is_causal=args.causal)
   if args.direction == "fp8":
     from jax_fa3 import _fp8_forward, fp8  # noqa: PLC0415
     from jax_fa3._config import AttentionConfig, Fp8Config  # noqa: PLC0415
@@ -51,7 +57,7 @@ def main():
     run = lambda: step(q, k, v)
   for _ in range(args.steps):
     jax.block_until_ready(run())
-  print(f"profile_step: {args.direction} b={b} s={s} h={h} d={d} causal={args.causal}, "
+  print(f"profile_step: {args.impl} {args.direction} b={b} s={s} h={h} d={d} causal={args.causal}, "
         f"{args.steps} steps")
 
 
