@@ -29,12 +29,13 @@ __device__ __forceinline__ void store_dq_partial(KernelParams<Traits> const& p,
     const int buf = Traits::kDqStages == 1 ? 0 : stage;
     named_barrier_sync(dq_barrier(NamedBarrier::kDqEmpty, buf), kMma + 32);
     // 32-bit shared-window address: a generic 64-bit pointer here cost a register spill.
-    static_assert(Traits::kDqVec == 2);
+    static_assert(Traits::kDqVec == 4);
     const uint32_t sdq = cute::cast_smem_ptr_to_uint(ss.dq + buf * Traits::kDqChunkFloats +
                                                      wg * Traits::kDqWgFloats);
     CUTE_UNROLL
-    for (int i = 0; i < size(tdQrdQ); i += 2) {
-      st_shared_f32x2(sdq + Traits::dq_slot(i, tid) * 4, tdQrdQ(i), tdQrdQ(i + 1));
+    for (int i = 0; i < size(tdQrdQ); i += 4) {
+      st_shared_f32x4(sdq + Traits::dq_slot(i, tid) * 4, tdQrdQ(i), tdQrdQ(i + 1), tdQrdQ(i + 2),
+                      tdQrdQ(i + 3));
     }
     cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> bulk reduce
     named_barrier_arrive(dq_barrier(NamedBarrier::kDqFull, buf), kMma + 32);

@@ -4,7 +4,8 @@
 //   P^T = exp2(S^T*scale*log2e - lse*log2e) while dP^T still runs (0 where masked), then
 //   dS^T = P^T (dP^T - D) [x (1 - t^2), t = tanh(S^T*scale/cap)];
 //   P^T -> Element registers, dV += P^T dO issued at once (RS: A from registers);
-//   dS^T -> Element registers and into the shared dS tile (rows contiguous), fence.proxy.async,
+//   dS^T -> Element registers and into the shared dS tile (rows contiguous; stmatrix),
+//   fence.proxy.async,
 //   named barrier (dQ needs both warpgroups' keys);
 //   dQ = dS K (SS, the dS tile is an MN-major A), dK += dS^T Q (RS); dQ is stored while dK runs.
 //   With 80-row Q blocks (Traits::kDqTransposed): dS^T goes to a key-contiguous dS tile by
@@ -47,7 +48,12 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParamsOf<Traits> co
   constexpr bool kFp8 = Traits::kFp8;
   using Barrier = cutlass::arch::ClusterBarrier;
   const int n_iters = (m_end - m_begin) * group;
-  const int wg = threadIdx.x / 128 - 1;     // 0 or 1
+  // Warp-uniform by construction (a broadcast from lane 0): the compiler then keeps everything
+  // derived from it, the wgmma descriptors of this warpgroup's operand slices above all, on the
+  // uniform datapath instead of computing them per thread and moving them over (R2UR; d = 128:
+  // 1127 -> 1045 instructions in the loop). Not in the 80-row kernel, which then spilled 12 bytes.
+  const int wg = Traits::kDqTransposed ? int(threadIdx.x / 128) - 1
+                                       : __shfl_sync(0xffffffffu, threadIdx.x / 128, 0) - 1;
   const int tid = threadIdx.x % 128;        // thread within the warpgroup
   const int ctid = threadIdx.x - 128;       // thread within the consumers
 
@@ -93,13 +99,16 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParamsOf<Traits> co
       return cute::make_tuple(thr_dq.partition_fragment_A(ds), thr_dq.partition_fragment_B(kt));
     }
   }();
-  // Where this thread's dS^T pairs go in the dS tile: swizzled byte offsets, one 32-bit
-  // st.shared each; transposed dQ: its stmatrix row address (traits: ds_stmatrix_offset).
-  auto tdSoff = [&] {
-    if constexpr (Traits::kDqTransposed) {
-      return Traits::ds_stmatrix_offset(wg, tid);
-    } else {
+  // This lane's stmatrix row address in the dS tile at x4 number 0 (traits: ds_stmatrix_offset).
+  const uint32_t ds_lane_offset = Traits::ds_stmatrix_offset(wg, tid);
+  // fp8 and softcap: dS^T leaves as 32-bit pair stores at these byte offsets instead
+  // (stmatrix's four packed registers at a time made those kernels spill 12-28 bytes).
+  constexpr bool kPairStores = kFp8 || kSoftcap;
+  [[maybe_unused]] auto tdSoff = [&] {
+    if constexpr (kPairStores) {
       return Traits::pds_store_offsets(thr_sdp, wg);
+    } else {
+      return 0;
     }
   }();
   const uint32_t ds_smem = cute::cast_smem_ptr_to_uint(ss.ds);
@@ -277,18 +286,7 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParamsOf<Traits> co
 
       // Both warpgroups' dQ wgmmas of the previous block have finished reading the dS tile.
       if (it > 0) named_barrier_sync(NamedBarrier::kPdSFree, kMma);
-      if constexpr (Traits::kDqTransposed) {
-        static_assert(!kFp8);
-        CUTE_UNROLL
-        for (int x = 0; x < kBlockM / 16; ++x) {
-          auto pair = [&](int q) {
-            const int v = Traits::ds_stmatrix_value(x, q);
-            return pack2<Element>(tdKrdS(v), tdKrdS(v + 1));
-          };
-          stmatrix_x4_trans(ds_smem + tdSoff + x * Traits::kDsStmatrixStepBytes, pair(0), pair(1),
-                            pair(2), pair(3));
-        }
-      } else {
+      if constexpr (kPairStores) {
         CUTE_UNROLL
         for (int i = 0; i < size(tSrdP); i += 2) {
           const uint32_t off_b =
@@ -298,6 +296,16 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParamsOf<Traits> co
           } else {
             st_shared_b32(ds_smem + off_b, pack2<Element>(tdKrdS(i), tdKrdS(i + 1)));
           }
+        }
+      } else {
+        CUTE_UNROLL
+        for (int x = 0; x < kBlockM / 16; ++x) {
+          auto pair = [&](int q) {
+            const int v = Traits::ds_stmatrix_value(x, q);
+            return pack2<Element>(tdKrdS(v), tdKrdS(v + 1));
+          };
+          stmatrix_x4<Traits::kDqTransposed>(ds_smem + Traits::ds_stmatrix_at(ds_lane_offset, x),
+                                             pair(0), pair(1), pair(2), pair(3));
         }
       }
       cutlass::arch::fence_view_async_shared();  // generic-proxy writes -> wgmma (async proxy)

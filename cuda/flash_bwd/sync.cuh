@@ -58,19 +58,30 @@ __device__ __forceinline__ void st_shared_b32(uint32_t smem_addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(smem_addr), "r"(v) : "memory");
 }
 
-// Four 8 x 8 blocks of 16-bit pairs, each stored transposed: register r[j] is this thread's pair
-// (row lane / 4, columns 2 (lane % 4), +1) of block j, and lane 8 j + i gives the address of
-// block j's stored row i (its column i: 8 elements, 16 bytes).
-__device__ __forceinline__ void stmatrix_x4_trans(uint32_t smem_addr, uint32_t r0, uint32_t r1,
-                                                  uint32_t r2, uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
-                   smem_addr),
-               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
-               : "memory");
+// Four 8 x 8 blocks of 16-bit pairs: register r[j] is this thread's pair (row lane / 4, columns
+// 2 (lane % 4), +1) of block j, and lane 8 j + i gives the address of block j's stored row i
+// (8 elements, 16 bytes): the block's row i, or with kTrans its column i.
+template <bool kTrans>
+__device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, uint32_t r0, uint32_t r1,
+                                            uint32_t r2, uint32_t r3) {
+  if constexpr (kTrans) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
+                     smem_addr),
+                 "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+  } else {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
+                     smem_addr),
+                 "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+  }
 }
 
-__device__ __forceinline__ void st_shared_f32x2(uint32_t smem_addr, float x, float y) {
-  asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(smem_addr), "f"(x), "f"(y) : "memory");
+__device__ __forceinline__ void st_shared_f32x4(uint32_t smem_addr, float x, float y, float z,
+                                                float w) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr), "f"(x), "f"(y), "f"(z),
+               "f"(w)
+               : "memory");
 }
 
 // Four floats added to global memory with no value returned (REDG). atomicAdd(float4*) became

@@ -191,11 +191,14 @@ struct BwdTraits {
   }
 
   // Where accumulator thread `thr` of warpgroup wg writes its S (S^T) fragment into the P / dS
-  // tile: byte offsets from a 1024-aligned tile base, i.e. the same partition of the same layout
-  // over a null base. Element pairs (i, i+1) are adjacent (tests/cuda/check_bwd_layouts.cu).
+  // tile as 32-bit pair stores (row-major, and the fp8 key-major kernel; the 16-bit key-major one
+  // uses stmatrix, below): byte offsets from a 1024-aligned tile base, i.e. the same partition of
+  // the same layout over a null base. Element pairs (i, i+1) are adjacent
+  // (tests/cuda/check_bwd_layouts.cu).
   template <typename ThrMma>
   CUTE_HOST_DEVICE static auto pds_store_offsets(ThrMma const& thr, int wg) {
     using namespace cute;
+    static_assert(!kDqTransposed, "the key-contiguous dS tile takes stmatrix.trans stores");
     if constexpr (kKeyMajor) {
       return thr.partition_C(local_tile(
           make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), SmemLayoutPdSt{}),
@@ -206,23 +209,35 @@ struct BwdTraits {
           Shape<Int<kBlockM>, Int<kNS>>{}, make_coord(_0{}, wg)));
     }
   }
-  // Transposed dQ: the dS^T fragments go to the dS tile by stmatrix.trans, x4 number x of a
-  // thread covering S^T fragment columns (query rows) [16 x, 16 x + 16). Lane 8 q + i gives the
-  // address of row i of block q: query row 8 (q / 2) + i + 16 x, keys 16 (warp in warpgroup) +
-  // 8 (q % 2) onwards of warpgroup wg's 64. The offset at x = 0 (bytes from the tile base), and
-  // the step per x: 16 rows are two whole 8-row swizzle atoms, so the swizzle repeats
-  // (tests/cuda/check_bwd_layouts.cu checks both, and which fragment pair each block takes).
+  // Key-major: the dS^T fragments go to the dS tile by stmatrix (.x4, four 8 x 8 blocks), x4
+  // number x of a thread covering S^T fragment columns (query rows) [16 x, 16 x + 16): block q
+  // holds keys 16 (warp in warpgroup) + 8 (q % 2) + [0, 8) of warpgroup wg's 64 and query rows
+  // 16 x + 8 (q / 2) + [0, 8), and takes the fragment pair (v, v + 1), v = ds_stmatrix_value(x, q).
+  //  - row-contiguous tile (dQ = dS K): plain stmatrix, lane 8 q + i addresses block q's row i,
+  //    i.e. key i of the block with its 8 query rows (16 bytes);
+  //  - key-contiguous tile (transposed dQ, 80 rows): stmatrix.trans, lane 8 q + i addresses
+  //    query row i of the block with its 8 keys.
+  // ds_stmatrix_offset: this lane's byte offset at x = 0 from the tile base; ds_stmatrix_at:
+  // the offset at x (tests/cuda/check_bwd_layouts.cu checks both against the layout).
   CUTE_HOST_DEVICE static uint32_t ds_stmatrix_offset(int wg, int tid) {
     using namespace cute;
     const int lane = tid % 32, q = lane / 8;
     Tensor t = make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), SmemLayoutPdS{});
-    const int row = 8 * (q / 2) + lane % 8;
-    const int key = wg * 64 + 16 * (tid / 32) + 8 * (q % 2);
+    const int key = wg * 64 + 16 * (tid / 32) + 8 * (q % 2) + (kDqTransposed ? 0 : lane % 8);
+    const int row = 8 * (q / 2) + (kDqTransposed ? lane % 8 : 0);
     return static_cast<uint32_t>(reinterpret_cast<uintptr_t>(raw_pointer_cast(&t(row, key))));
   }
-  static constexpr uint32_t kDsStmatrixStepBytes = 16 * 64 * sizeof(Element);
-  // S^T fragment index of the first element of block q of x4 number x (the pair is it and the
-  // next): the n8 column chunk j = 2 x + q / 2, key half q % 2.
+  // Transposed: 16 rows are two whole 8-row swizzle atoms (K-major, 128B), so the swizzle repeats.
+  // Row-contiguous: 16 rows are 32 bytes inside a 64-row atom row, whose 16-byte chunk index the
+  // 128B swizzle XORs with the key's low bits, so the offset moves by XOR; 64 rows are one
+  // atom (64 rows x 8 keys, 1 KB).
+  CUTE_HOST_DEVICE static constexpr uint32_t ds_stmatrix_at(uint32_t offset0, int x) {
+    if constexpr (kDqTransposed) {
+      return offset0 + x * (16 * 64 * sizeof(Element));
+    } else {
+      return (offset0 ^ ((x % 4) << 5)) + (x / 4) * (64 * 8 * sizeof(Element));
+    }
+  }
   CUTE_HOST_DEVICE static constexpr int ds_stmatrix_value(int x, int q) {
     return 4 * (2 * x + q / 2) + 2 * (q % 2);
   }
@@ -245,11 +260,10 @@ struct BwdTraits {
   using TmaQs = TmaQ;
 
   // dQ partials leave the CTA in "fragment order": per Q block a chunk of kBlockM * kHeadDim
-  // floats, warpgroup wg's kDqRows x kDQ part at wg * kDqWgFloats, inside it the float pair
-  // (i, i+1) of accumulator thread t at dq_slot(i, t) = (i / 2) * 256 + 2 t (d = 256: fours,
-  // below). A warp then stores 256 contiguous bytes (no bank conflicts) and the chunk is
-  // contiguous, so one bulk reduce adds it to the workspace; the postprocess maps fragments back
-  // to (row, column) with the same TiledMMA.
+  // floats, warpgroup wg's kDqRows x kDQ part at wg * kDqWgFloats, inside it the four floats
+  // (i, ..., i+3) of accumulator thread t at dq_slot(i, t) = (i / 4) * 512 + 4 t. A warp then
+  // stores 512 contiguous bytes and the chunk is contiguous, so one bulk reduce adds it to the
+  // workspace; the postprocess maps fragments back to (row, column) with the same TiledMMA.
   static constexpr int kDqWgFloats = kDqRows * kDQ;
   static constexpr int kDqChunkFloats = kBlockM * kHeadDim;
   static_assert(2 * kDqWgFloats == kDqChunkFloats);
@@ -259,10 +273,11 @@ struct BwdTraits {
   // Through shared memory + a TMA bulk reduce issued by a dedicated warp when the chunk fits
   // (d <= 192: +16..48 KB); d = 256 (208 KB without it) adds from registers with red.global.v4.
   static constexpr bool kDqViaSmem = kHeadDim <= 192;
-  // A thread's partial moves as vectors of kDqVec consecutive accumulator elements: pairs through
-  // shared memory (st.shared.v2), fours at d = 256 (half the atomic instructions of pairs; one
-  // vector of every thread of a warpgroup makes 128 * kDqVec contiguous floats).
-  static constexpr int kDqVec = kDqViaSmem ? 2 : 4;
+  // A thread's partial moves as vectors of kDqVec = 4 consecutive accumulator elements: one
+  // st.shared.v4 into sdq, or one red.global.add.v4.f32 at d = 256 (half the instructions of
+  // pairs); one vector of every thread of a warpgroup makes 512 contiguous floats, so a warp's
+  // 16-byte stores hit 512 contiguous bytes (no bank conflicts) and its atomics whole sectors.
+  static constexpr int kDqVec = 4;
   static_assert(kDqWgFloats % (128 * kDqVec) == 0, "whole vector rows per warpgroup part");
   // Where accumulator element i of thread t sits in its warpgroup's part (floats).
   CUTE_HOST_DEVICE static constexpr int dq_slot(int i, int t) {

@@ -10,7 +10,7 @@
 //     become RS operands by an element-wise conversion.
 //  2. dQ fragment order: the dQ accumulator partition maps (warpgroup, thread, i) one-to-one onto
 //     the (kBlockM, d) chunk, pairs (i, i+1) are adjacent columns of one row, and the chunk slot
-//     (i / 2) * 256 + 2 t (+ wg * kDqWgFloats) is a bijection too, so the postprocess inverts the
+//     (i / 4) * 512 + 4 t + i % 4 (+ wg * kDqWgFloats) is a bijection too, so the postprocess inverts the
 //     consumers' stores exactly.
 #include <cstdio>
 #include <vector>
@@ -23,13 +23,14 @@
 using namespace cute;
 using jax_fa3::flash_bwd::BwdTraits;
 
-// 1c. Transposed dQ (80-row Q blocks): the stmatrix.trans stores of the dS^T fragments. For
-// every thread and x4 number x, block q takes the S^T fragment pair (v, v + 1), v =
-// ds_stmatrix_value(x, q), which must sit at (key 16 w + 8 (q % 2) + lane / 4, rows 8 j +
-// 2 (lane % 4) and + 1), j = 2 x + q / 2 (the pair stmatrix expects of that lane); the lane's
-// row address (ds_stmatrix_offset + x * kDsStmatrixStepBytes) must be that of (row 8 j +
-// lane % 8, key 16 w + 8 (q % 2)) in the dS tile with the next 7 keys after it, and the stores
-// cover the (kBlockM, kBlockN) tile exactly once.
+// 1c. Key-major: the stmatrix stores of the dS^T fragments. For every thread and x4 number x,
+// block q takes the S^T fragment pair (v, v + 1), v = ds_stmatrix_value(x, q), which must sit at
+// (key 16 w + 8 (q % 2) + lane / 4, rows 8 j + 2 (lane % 4) and + 1), j = 2 x + q / 2 (the pair
+// stmatrix expects of that lane); the lane's row address ds_stmatrix_at(ds_stmatrix_offset, x)
+// must be that of block q's stored row lane % 8 with its 8 elements after it: (key 16 w +
+// 8 (q % 2) + lane % 8, rows 8 j ...) in the row-contiguous tile (plain stmatrix), (row 8 j +
+// lane % 8, keys 16 w + 8 (q % 2) ...) in the key-contiguous one (80-row blocks, .trans); and
+// the stores cover the (kBlockM, kBlockN) tile exactly once.
 template <typename Traits, typename Fail>
 void check_ds_stmatrix(Fail&& fail) {
   using Element = typename Traits::Element;
@@ -55,12 +56,14 @@ void check_ds_stmatrix(Fail&& fail) {
             fail("stmatrix block's fragment pair", wg, t, v);
           }
         }
-        const int q = lane / 8;
-        const int row = 8 * (2 * x + q / 2) + lane % 8, key0 = wg * 64 + 16 * w + 8 * (q % 2);
-        const uintptr_t at = Traits::ds_stmatrix_offset(wg, t) + x * Traits::kDsStmatrixStepBytes;
+        const int q = lane / 8, j = 2 * x + q / 2, key0 = wg * 64 + 16 * w + 8 * (q % 2);
+        const uintptr_t at =
+            Traits::ds_stmatrix_at(Traits::ds_stmatrix_offset(wg, t), x);
         for (int k = 0; k < 8; ++k) {
-          if (offset(row, key0 + k) != at + 2 * k) fail("stmatrix row address", wg, t, x);
-          const uintptr_t e = offset(row, key0 + k) / 2;
+          const int row = Traits::kDqTransposed ? 8 * j + lane % 8 : 8 * j + k;
+          const int key = Traits::kDqTransposed ? key0 + k : key0 + lane % 8;
+          if (offset(row, key) != at + 2 * k) fail("stmatrix row address", wg, t, x);
+          const uintptr_t e = offset(row, key) / 2;
           if (e < uintptr_t(kBlockM * kBlockN)) hits[e]++;
         }
       }
@@ -83,11 +86,11 @@ int check_traits() {
     }
   };
 
-  // 1. P/dS offsets (1c for the transposed dQ's stmatrix stores).
+  // 1. P/dS pair-store offsets (row-major, fp8 key-major; 1c: the 16-bit key-major stmatrix stores).
   std::vector<int> hits(kBlockM * kBlockN, 0);
   typename Traits::MmaSdP mma_sdp;
+  if constexpr (Traits::kKeyMajor) check_ds_stmatrix<Traits>(fail);
   if constexpr (Traits::kDqTransposed) {
-    check_ds_stmatrix<Traits>(fail);
     hits.assign(kBlockM * kBlockN, 1);
   } else for (int wg = 0; wg < 2; ++wg) {
     for (int t = 0; t < 128; ++t) {
