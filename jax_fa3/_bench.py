@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import pathlib
 import platform
 import statistics
@@ -26,7 +27,12 @@ def attention_flops(b, h, s_q, s_k, d, causal, direction="fwd") -> float:
 
 
 def git_commit(path) -> str:
-  """The short commit of the checkout holding `path`, "+dirty" when it has local changes."""
+  """The short commit of the checkout holding `path`, "+dirty" when it has local changes; for a
+  tree that is no checkout (e.g. unpacked from `git ls-files` on a GPU machine), the commit
+  named by JAX_FA3_BENCH_COMMIT, when set."""
+  named = os.environ.get("JAX_FA3_BENCH_COMMIT")
+  if named:
+    return named
   root = pathlib.Path(path).resolve().parent
   try:
     rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,

@@ -22,3 +22,13 @@ def test_median_seconds_keeps_only_the_last_outputs_alive():
   assert seconds > 0
   assert len(live) > 20  # many launches per sample: holding them all would show here
   assert max(live) - before <= 2, max(live) - before
+
+
+def test_benchmark_headers_take_the_named_commit_outside_a_checkout(tmp_path, monkeypatch):
+  # A tree unpacked on a GPU machine is no git checkout: its JSON headers say so, unless the
+  # commit is named (tools/gpu_ab.sh NAME=TREE:LIB:COMMIT exports it).
+  script = tmp_path / "bench.py"
+  monkeypatch.delenv("JAX_FA3_BENCH_COMMIT", raising=False)
+  assert _bench.git_commit(script) == "unknown (not a git checkout)"
+  monkeypatch.setenv("JAX_FA3_BENCH_COMMIT", "9c474fa")
+  assert _bench.git_commit(script) == "9c474fa"

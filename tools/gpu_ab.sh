@@ -4,11 +4,13 @@
 # benchmark command runs for every variant in turn, ROUNDS times, so that the variants alternate
 # on the same GPU (timings drift between machines and over minutes; compare only within a run).
 #
-#   tools/gpu_ab.sh NAME=TREE:LIB [NAME=TREE:LIB ...] -- COMMAND [ARGS...]
+#   tools/gpu_ab.sh NAME=TREE:LIB[:COMMIT] [NAME=TREE:LIB[:COMMIT] ...] -- COMMAND [ARGS...]
 #
 #   TREE  a source tree (a directory, or a .tar / .tar.gz of `git ls-files`) whose Python and
 #         benchmarks belong with LIB
 #   LIB   its libjax_fa3_kernels.so (or .so.gz)
+#   COMMIT the commit TREE and LIB were made from, exported to COMMAND as JAX_FA3_BENCH_COMMIT
+#         (the benchmarks' JSON headers record it; an unpacked tree is no git checkout)
 #   COMMAND runs in an empty folder (no source tree on its path) with PYTHONPATH=<the variant's
 #         install folder>, so it imports that variant's installed jax_fa3. In ARGS, {tree} becomes
 #         the variant's unpacked tree (its benchmarks: {tree}/benchmarks/bench_decode.py), {name}
@@ -27,13 +29,16 @@ WORK="${AB_WORK:-/tmp/jax_fa3_ab}"
 mkdir -p "$OUT" "$WORK"
 
 names=()
+declare -A commits
 while [[ $# -gt 0 && "$1" != "--" ]]; do
   spec="$1"; shift
   name="${spec%%=*}"; rest="${spec#*=}"
-  tree="${rest%%:*}"; lib="${rest#*:}"
+  tree="${rest%%:*}"; lib="${rest#*:}"; commit=""
+  if [[ "$lib" == *:* ]]; then commit="${lib#*:}"; lib="${lib%%:*}"; fi
   if [[ -z "$name" || "$name" == "$spec" || -z "$tree" || -z "$lib" || "$lib" == "$rest" ]]; then
-    echo "gpu_ab: a variant is NAME=TREE:LIB, got '$spec'" >&2; exit 2
+    echo "gpu_ab: a variant is NAME=TREE:LIB[:COMMIT], got '$spec'" >&2; exit 2
   fi
+  commits["$name"]="$commit"
   src="$WORK/tree_$name"; site="$WORK/site_$name"
   rm -rf "$src" "$site" && mkdir -p "$src"
   if [[ -d "$tree" ]]; then cp -r "$tree"/. "$src"/; else tar -xf "$tree" -C "$src"; fi
@@ -48,7 +53,7 @@ while [[ $# -gt 0 && "$1" != "--" ]]; do
 done
 [[ "${1:-}" == "--" ]] && shift
 if [[ ${#names[@]} -eq 0 || $# -eq 0 ]]; then
-  echo "usage: tools/gpu_ab.sh NAME=TREE:LIB [...] -- COMMAND [ARGS...]" >&2; exit 2
+  echo "usage: tools/gpu_ab.sh NAME=TREE:LIB[:COMMIT] [...] -- COMMAND [ARGS...]" >&2; exit 2
 fi
 
 mkdir -p "$WORK/run" && cd "$WORK/run"
@@ -59,6 +64,7 @@ for round in $(seq 1 "$ROUNDS"); do
       a="${a//\{name\}/$name}"; a="${a//\{tree\}/$WORK/tree_$name}"; args+=("${a//\{round\}/$round}")
     done
     echo "== $name, round $round: ${args[*]}"
-    PYTHONPATH="$WORK/site_$name${PYTHONPATH:+:$PYTHONPATH}" "${args[@]}"
+    JAX_FA3_BENCH_COMMIT="${commits[$name]:-${JAX_FA3_BENCH_COMMIT:-}}" \
+      PYTHONPATH="$WORK/site_$name${PYTHONPATH:+:$PYTHONPATH}" "${args[@]}"
   done
 done
