@@ -153,7 +153,7 @@ def test_backend_is_reported():
 
 @pytest.mark.parametrize("b,h,s_q,d,deterministic,expected", [
     # dq chunks 4·b·h·s_q_pad·bucket [+ semaphores]; LSE·log2e and D, 2·4·b·h·s_q_pad bytes,
-    # live in the dq result when they fit (4·s_q_pad <= s_q·d), else in the workspace. At d = 128
+    # live in the dq result when both fit in its 2·b·s_q·h·d bytes, else in the workspace. At d = 128
     # the size covers 80-row Q blocks too (s_q_pad a multiple of 80 then: 16400 for 16384).
     (1, 16, 16384, 128, False, 4 * 16 * 16400 * 128),
     (1, 16, 16384, 64, False, 4 * 16 * 16384 * 64),

@@ -49,6 +49,15 @@ def _check_backward(q, k, v, do, dtype, **kw):
   return grads
 
 
+def _check_repeats_bit_for_bit(q, k, v, do, dtype, **kw):
+  """Checks the kernels' gradient once, then requires two more runs to reproduce it bit for bit."""
+  first = _check_backward(q, k, v, do, dtype, **kw)
+  again = _grad_fn(do, **kw)
+  for _ in range(2):
+    for a, b in zip(first, again(q, k, v)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("s_q,s_k", [(1, 1), (63, 63), (65, 65), (1000, 1000), (128, 1000),
                                      (1000, 128), (4097, 4097), (1, 4097), (4097, 1)])
 @pytest.mark.parametrize("causal", [False, True])
@@ -78,11 +87,7 @@ def test_deterministic_backward_matches_the_oracle_and_repeats_bit_for_bit(d, dt
   # accumulation order covers the partial tiles and the group reduction.
   q, k, v, do = _inputs(5 + d, 2, 700, 700, 8, 2, d, dtype)
   kw = dict(causal=True, deterministic=True)
-  first = _check_backward(q, k, v, do, dtype, **kw)
-  again = _grad_fn(do, **kw)
-  for _ in range(2):
-    for a, b in zip(first, again(q, k, v)):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  _check_repeats_bit_for_bit(q, k, v, do, dtype, **kw)
 
 
 # d = 128 without a mask, at least 1024 queries, more than one kv head: the kernel with 80-row Q
@@ -101,11 +106,7 @@ def test_backward_80_row_q_blocks(s_q, s_k, d, dtype):
 def test_deterministic_backward_80_row_q_blocks_repeats_bit_for_bit(dtype):
   q, k, v, do = _inputs(11, 2, 1100, 900, 8, 2, 128, dtype)
   kw = dict(deterministic=True)
-  first = _check_backward(q, k, v, do, dtype, **kw)
-  again = _grad_fn(do, **kw)
-  for _ in range(2):
-    for a, b in zip(first, again(q, k, v)):
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  _check_repeats_bit_for_bit(q, k, v, do, dtype, **kw)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])

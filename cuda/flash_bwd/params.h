@@ -113,24 +113,27 @@ inline WorkspaceLayout workspace_layout(int64_t b, int64_t h, int64_t s_q, int64
   return dq_workspace_layout(b, h, s_q, d, bucket > 0 ? bucket : d, block_m, deterministic, true);
 }
 
+// Rows per Q block of a 16-bit call at head dim d without the 80-row choice (a d no bucket
+// covers sizes as its own bucket, as dq_workspace_layout pads it).
+inline int default_block_m(int64_t d) {
+  const int bucket = head_dim_bucket(static_cast<int>(d));
+  return block_m_for_bucket(bucket > 0 ? bucket : static_cast<int>(d));
+}
+
 // Rows per Q block of a 16-bit call (what run_flash_bwd launches).
 inline int block_m_for_call(const FlashBwdParams& p) {
-  const int bucket = head_dim_bucket(p.d);
-  return wide_q_blocks(bucket, p.s_q, p.h_k, p.window_left, p.window_right, p.softcap,
-                       p.key_ranges != nullptr)
+  return wide_q_blocks(head_dim_bucket(p.d), p.s_q, p.h_k, p.window_left, p.window_right,
+                       p.softcap, p.key_ranges != nullptr)
              ? kWideBlockM
-             : block_m_for_bucket(bucket);
+             : default_block_m(p.d);
 }
 
 // The bytes a 16-bit call's workspace may need, whichever Q-block height the call takes (the
 // caller sizes the buffer without the masks and scalars that decide it).
 inline size_t workspace_bytes_any_block_m(int64_t b, int64_t h, int64_t s_q, int64_t d,
                                           bool deterministic) {
-  const int bucket = head_dim_bucket(static_cast<int>(d));
-  const size_t usual =
-      workspace_layout(b, h, s_q, d, block_m_for_bucket(bucket > 0 ? bucket : 64), deterministic)
-          .total;
-  if (bucket != 128) return usual;
+  const size_t usual = workspace_layout(b, h, s_q, d, default_block_m(d), deterministic).total;
+  if (head_dim_bucket(static_cast<int>(d)) != 128) return usual;
   const size_t wide = workspace_layout(b, h, s_q, d, kWideBlockM, deterministic).total;
   return wide > usual ? wide : usual;
 }
