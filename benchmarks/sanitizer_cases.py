@@ -37,6 +37,8 @@ CASES = [  # (b, s_q, s_k, h, h_k, causal, window, softcap)
     (1, 129, 65, 2, 2, True, (-1, -1), 0.0),
     (2, 100, 100, 2, 1, False, (30, 10), 0.0),
     (1, 1, 77, 1, 1, True, (-1, -1), 15.0),
+    # d = 128: the backward's 80-row Q blocks (s_q >= 1024, h_k > 1, no mask); ragged at both ends
+    (1, 1043, 150, 4, 2, False, (-1, -1), 0.0),
 ]
 
 

@@ -31,8 +31,10 @@ __device__ __forceinline__ void run_consumer_row_major(KernelParams<Traits> cons
   constexpr uint32_t kMma = Traits::kNumMmaThreads;
   using Barrier = cutlass::arch::ClusterBarrier;
   const int n_iters = (m_end - m_begin) * group;
-  const int warp_group = threadIdx.x / 128;
-  const int wg = warp_group - 1;            // 0 or 1
+  // Warp-uniform by construction (a broadcast from lane 0), so that what derives from it, the
+  // wgmma descriptors of this warpgroup's operand slices above all, stays on the uniform datapath
+  // (d = 256: 103 -> 14 R2UR moves, 112 fewer instructions in the loop, no spills).
+  const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0) - 1;  // 0 or 1
   const int tid = threadIdx.x % 128;        // thread within the warpgroup
   const int ctid = threadIdx.x - 128;       // thread within the consumers
   const int wn = Traits::kWgAlongN == 2 ? wg : 0;  // dK/dV: key-row slice
