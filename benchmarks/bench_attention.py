@@ -33,6 +33,7 @@ from jax_fa3 import _bench
 
 TOTAL_TOKENS = 16384
 WIDTH = 2048
+GRAD_CHECK_SEQLEN = 1024  # each peer's gradients are checked at (1, this, h, d) first
 PART_COPIES = 8  # fp8_prep: passes per timed call (see prep_rows)
 
 
@@ -143,6 +144,7 @@ def _fp8_peers(causal):
 def run(head_dims, seqlens, directions, dtype, min_time, causal_modes=(False, True),
         only_peers=None, on_row=None):
   rows = []
+  grad_errors = {}  # (peer, d, h, causal) -> its gradients' error at GRAD_CHECK_SEQLEN
   key = jax.random.PRNGKey(0)
   for d in head_dims:
     h = WIDTH // d
@@ -175,10 +177,18 @@ def run(head_dims, seqlens, directions, dtype, min_time, causal_modes=(False, Tr
             row["error"] = _bench.failure(e)
           if "bwd" in directions and "error" not in row and not peer.forward_only:
             try:
+              family = (peer.name, d, h, causal)
+              if family not in grad_errors:  # once per shape family, at a size the reference takes
+                grad_errors[family] = _bench.gradient_error(
+                    peer.forward, h, d, causal, peer.dtype or dtype, peer.unit_scale,
+                    seqlen=GRAD_CHECK_SEQLEN)
+              row["bwd_rel_err"] = grad_errors[family]
               do = jax.random.normal(sub, q.shape, jnp.float32).astype(q.dtype)
               grads = _grad_fn(peer.forward)
               g = grads(q, k, v, do)
-              if not all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in g):
+              if not row["bwd_rel_err"] <= peer.max_rel_err:
+                row["bwd_note"] = "gradients wrong (vs the fp32 reference): speed not quoted"
+              elif not all(bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in g):
                 row["bwd_note"] = "non-finite gradients: speed not quoted"
               else:
                 t_all = _bench.median_seconds(grads, q, k, v, do, min_time=min_time)

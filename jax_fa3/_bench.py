@@ -158,6 +158,30 @@ def gradient_errors(grads, ref_grads) -> dict[str, float]:
   return errors
 
 
+def gradient_error(forward, h, d, causal, dtype, unit_scale=False, seqlen=1024, seed=0) -> float:
+  """The largest of gradient_errors(...) for forward at (1, seqlen, h, d): the gradients of
+  sum(forward(q, k, v) * dout) against the fp32 reference on the same (rounded) inputs.
+
+  A benchmark checks each peer's backward once per shape family here, at a size the reference
+  handles, before it quotes the peer's backward speed (a peer's fast backward can be a wrong one:
+  flash-attn3-jax 0.2.3's non-causal gradients were).
+  """
+  keys = jax.random.split(jax.random.PRNGKey(seed), 2)
+  q, k, v = random_qkv(keys[0], 1, seqlen, h, d, dtype)
+  dout = jax.random.normal(keys[1], q.shape, jnp.float32).astype(dtype)
+
+  def loss(q, k, v):
+    return jnp.sum(forward(q, k, v).astype(jnp.float32) * dout.astype(jnp.float32))
+
+  grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  f32 = lambda x: x.astype(jnp.float32)
+  kwargs = dict(softmax_scale=1.0 if unit_scale else 1 / np.sqrt(d),
+                window_right=0 if causal else -1)
+  out, lse = reference.attention_forward(f32(q), f32(k), f32(v), **kwargs)
+  ref_grads = reference.attention_backward(f32(q), f32(k), f32(v), out, lse, f32(dout), **kwargs)
+  return max(gradient_errors(grads, ref_grads).values())
+
+
 def random_qkv(key, b, s, h, d, dtype):
   kq, kk, kv = jax.random.split(key, 3)
   return tuple(jax.random.normal(kk_, (b, s, h, d), jnp.float32).astype(dtype) for kk_ in (kq, kk, kv))

@@ -1,6 +1,6 @@
 """The benchmarks' timer (jax_fa3._bench.median_seconds): back-to-back launches without keeping
 every launch's outputs alive (a 2 GiB copy timed 80 times held 80 GiB and ran an 80 GB GPU out of
-memory)."""
+memory); and the gradient check that comes before a peer's backward speed is quoted."""
 import jax
 import jax.numpy as jnp
 
@@ -32,3 +32,18 @@ def test_benchmark_headers_take_the_named_commit_outside_a_checkout(tmp_path, mo
   assert _bench.git_commit(script) == "unknown (not a git checkout)"
   monkeypatch.setenv("JAX_FA3_BENCH_COMMIT", "9c474fa")
   assert _bench.git_commit(script) == "9c474fa"
+
+
+def test_gradient_error_passes_exact_gradients_and_flags_wrong_ones():
+  import jax_fa3  # noqa: PLC0415
+  attend = lambda q, k, v: jax_fa3.flash_attention(q, k, v, causal=True)
+  good = _bench.gradient_error(attend, 2, 32, True, jnp.float32, seqlen=64)
+  assert good < 1e-4  # float32 inputs: the same math in another order
+  # A backward that drops dK (k's gradient stopped) while its forward is right.
+  no_dk = lambda q, k, v: jax_fa3.flash_attention(q, jax.lax.stop_gradient(k), v, causal=True)
+  assert _bench.gradient_error(no_dk, 2, 32, True, jnp.float32, seqlen=64) > 0.5
+  # Scores unscaled in both directions (Pallas MGPU's convention) are checked as such.
+  unscaled = lambda q, k, v: jax_fa3.flash_attention(q, k, v, softmax_scale=1.0)
+  assert _bench.gradient_error(unscaled, 2, 32, False, jnp.float32, unit_scale=True,
+                               seqlen=64) < 1e-4
+  assert _bench.gradient_error(unscaled, 2, 32, False, jnp.float32, seqlen=64) > 1e-2
