@@ -88,28 +88,71 @@ def _check_fp8_cache(name, cache, block_size):
   return values, check_quantized(name, values, scales, block_size)
 
 
-def _dequantize(values, scales, block_size):
-  return values.astype(jnp.float32) * _fp8_quantize.per_token(scales, block_size, values.shape[1])
+def _max_runs(s_new, block_size, slots_per_row):
+  """The most blocks s_new consecutive logical slots can touch, blocks being block_size slots of
+  one row or page of slots_per_row (the last one short when block_size does not divide it).
+
+  A block never spans two pages, so a new block starts only at a block boundary inside a page: at
+  most ceil(l / block_size) of them in a page's stretch of l slots, and the stretches of the P
+  pages touched sum to s_new: fewer than s_new / block_size + P, P <= (s_new - 1) //
+  slots_per_row + 2. One more for the tail past the capacity (a page boundary too, counted
+  generously)."""
+  return min(s_new, s_new // block_size + (s_new - 1) // slots_per_row + 4)
 
 
 def _append_fp8(cache, new, first, slots, block_size):
   """Appends to an e4m3 (values, scales) cache: the blocks the new tokens land in are
   re-quantized (their scale from their new contents, quantize_fp8's rule); the others keep their
-  bytes."""
+  bytes. Only those blocks are read and written: a decode step's append costs one block per row,
+  not a pass over the cache.
+
+  A block (block_size slots of one row or page) holds a run of consecutive new tokens of one
+  batch row; rows whose appends land in one shared page block (an aliased page) keep one row's
+  tokens there."""
   values, scales = cache
-  appended = _append(_dequantize(values, scales, block_size), new.astype(jnp.float32), first,
-                     slots)
-  new_values, new_scales = _fp8_quantize.quantize_blocks(appended, block_size)
-  # The (row, slot) pairs written (a scatter of ones to _append's targets), then their blocks.
-  rows, slots_per_row = values.shape[:2]
-  written = _append(jnp.zeros((rows, slots_per_row, 1, 1), jnp.float32),
-                    jnp.ones(new.shape[:2] + (1, 1), jnp.float32), first, slots)[:, :, 0, 0] > 0
-  n = scales.shape[-1]
-  touched = jnp.pad(written, ((0, 0), (0, n * block_size - slots_per_row)))
-  touched = touched.reshape(rows, n, block_size).any(axis=-1)  # (rows, blocks)
-  per_slot = jnp.repeat(touched, block_size, axis=1)[:, :slots_per_row, None, None]
-  return (jnp.where(per_slot, new_values, values),
-          jnp.where(touched[:, None, :], new_scales, scales))
+  where, offset = slots
+  b, s_new = new.shape[:2]
+  if s_new == 0:
+    return values, scales
+  rows, slots_per_row, h_k, d = values.shape
+  capacity, n_blocks = where.shape[1], scales.shape[-1]
+  logical = first[:, None] + jnp.arange(s_new)[None, :]  # (b, s_new)
+  clipped = jnp.clip(logical, 0, capacity - 1)
+  target = jnp.take_along_axis(where, clipped, axis=1)
+  position = jnp.take_along_axis(offset, clipped, axis=1)
+  inside = (logical >= 0) & (logical < capacity) & (target >= 0) & (target < rows)
+  block_id = jnp.where(inside, target * n_blocks + position // block_size, -1)
+  # Consecutive tokens of a row in one block form a run; each run is one block to rewrite.
+  starts = jnp.concatenate([jnp.ones((b, 1), bool), block_id[:, 1:] != block_id[:, :-1]], axis=1)
+  run = jnp.cumsum(starts, axis=1) - 1
+  n_runs = _max_runs(s_new, block_size, slots_per_row)
+  batch = jnp.arange(b)[:, None]
+  run_block = jnp.full((b, n_runs), -1, block_id.dtype).at[batch, run].max(block_id, mode="drop")
+  live = run_block >= 0
+  run_row = jnp.where(live, run_block // n_blocks, 0)
+  run_blk = jnp.where(live, run_block % n_blocks, 0)
+  slot = run_blk[..., None] * block_size + jnp.arange(block_size)  # (b, n_runs, block_size)
+  in_row = slot < slots_per_row  # the last block of a row or page may be short
+  slot = jnp.minimum(slot, slots_per_row - 1)
+  old_scales = scales[run_row, :, run_blk]  # (b, n_runs, h_k)
+  blocks = values[run_row[..., None], slot].astype(jnp.float32) * old_scales[:, :, None, :, None]
+  blocks = jnp.where(in_row[..., None, None], blocks, 0.0)
+  blocks = blocks.at[batch, jnp.where(inside, run, n_runs), position % block_size].set(
+      new.astype(jnp.float32), mode="drop")
+  block_values, block_scales = _fp8_quantize.quantize_blocks(
+      blocks.reshape(b * n_runs, block_size, h_k, d), block_size)
+  # Runs that wrote nothing, and a short block's slots past its row, go nowhere (mode="drop").
+  # The bytes are scattered as uint8: XLA:CPU, which emulates f8, took 4x as long for the same
+  # scatter on e4m3 (32k slots x 8 heads x 128: 46 against 11 ms, 2 cores).
+  write_row = jnp.where(live[..., None] & in_row, run_row[..., None], rows)
+  as_bytes = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint8)
+  values = jax.lax.bitcast_convert_type(
+      as_bytes(values).at[write_row, slot].set(
+          as_bytes(block_values.reshape(b, n_runs, block_size, h_k, d)), mode="drop"),
+      values.dtype)
+  scales = scales.at[jnp.where(live, run_row, rows), :, run_blk].set(
+      block_scales.reshape(b, n_runs, h_k), mode="drop")
+  return values, scales
 
 
 def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens,

@@ -407,6 +407,79 @@ def test_fp8_cache_appends_and_attends(paged):
   del float_v
 
 
+def _fp8_append_oracle(stored, new, lengths, page_table, block):
+  """The e4m3 append as a whole-cache pass: every slot dequantized, the tokens written at their
+  logical slots (dropped past the capacity or on a page out of range), every block re-quantized,
+  and the new bytes and scale kept in the blocks that received a token."""
+  values, scales = (np.asarray(x) for x in stored)
+  rows, slots = values.shape[:2]
+  as_float = np.asarray(values, np.float32) * np.repeat(
+      np.swapaxes(scales, 1, 2), block, axis=1)[:, :slots, :, None]
+  touched = np.zeros((rows, scales.shape[-1]), bool)
+  capacity = slots if page_table is None else page_table.shape[1] * slots
+  for r in range(new.shape[0]):
+    for t in range(new.shape[1]):
+      logical = int(lengths[r]) + t
+      if logical >= capacity:
+        continue
+      row, pos = (r, logical) if page_table is None else (
+          int(page_table[r, logical // slots]), logical % slots)
+      if not 0 <= row < rows:
+        continue
+      as_float[row, pos] = np.asarray(new[r, t], np.float32)
+      touched[row, pos // block] = True
+  new_values, new_scales = (np.asarray(x) for x in jax_fa3.quantize_fp8(
+      jnp.asarray(as_float), block_size=block))
+  per_slot = np.repeat(touched, block, axis=1)[:, :slots, None, None]
+  return (np.where(per_slot, new_values, values), np.where(touched[:, None, :], new_scales, scales))
+
+
+@pytest.mark.parametrize("page,block,s_new", [
+    (None, 8, 1), (None, 8, 13), (None, 5, 7),  # contiguous: capacity 24, a short last block
+    (4, 8, 1), (4, 8, 9),  # blocks longer than a page: one short block per page
+    (12, 8, 1), (12, 8, 17), (16, 4, 11), (8, 8, 24)])  # blocks and appends across pages
+def test_fp8_cache_append_rewrites_only_the_written_blocks(page, block, s_new):
+  # Byte-identical to re-quantizing the whole cache and keeping the written blocks, with lengths
+  # and pages traced (under jit): appends running past the capacity and a page index out of range
+  # are dropped, nothing else changes.
+  rng = np.random.default_rng(page or 0 + block * 31 + s_new)
+  new = _normal(rng, B, s_new, H_K, D)
+  lengths = np.array([0, 5, 23, 17], np.int32)  # row 2 runs past the capacity (24)
+  options = dict(block_size=block)
+  if page is None:
+    cache, table = _normal(rng, B, CAPACITY, H_K, D), None
+  else:
+    pages_per_row = -(-CAPACITY // page)
+    num_pages = B * pages_per_row + 2
+    cache = _normal(rng, num_pages, page, H_K, D)
+    table = rng.permutation(num_pages)[:B * pages_per_row].reshape(B, pages_per_row)
+    table[3, -1] = num_pages + 5  # out of range: only reachable under jit
+  stored = jax_fa3.quantize_fp8(cache, block_size=block)
+  q = _normal(rng, B, 1, H, D)
+  call = jax.jit(lambda q, kc, vc, k, v, lengths, table: jax_fa3.flash_attention_with_kvcache(
+      q, kc, vc, k, v, cache_seqlens=lengths, page_table=table, **options))
+  _, got_k, got_v = call(q, stored, stored, new, new * 2, jnp.asarray(lengths),
+                         None if table is None else jnp.asarray(table, jnp.int32))
+  for got, tokens in ((got_k, new), (got_v, new * 2)):
+    want_values, want_scales = _fp8_append_oracle(stored, tokens, lengths, table, block)
+    np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint8), want_values.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(got[1]), want_scales)
+  assert not np.array_equal(np.asarray(got_k[0]).view(np.uint8),
+                            np.asarray(stored[0]).view(np.uint8))
+
+
+def test_fp8_append_run_bound_covers_every_window():
+  # The append rewrites at most _max_runs blocks per row; every window of s_new slots, at any
+  # start, page size and block size, touches no more (else tokens would be dropped).
+  from jax_fa3.kvcache import _max_runs  # noqa: PLC0415
+  for page in range(1, 13):
+    for block in range(1, 13):
+      for s_new in range(1, 30):
+        for start in range(0, 2 * page + 1):
+          touched = {(slot // page, (slot % page) // block) for slot in range(start, start + s_new)}
+          assert len(touched) <= _max_runs(s_new, block, page), (page, block, s_new, start)
+
+
 def test_fp8_cache_errors():
   k8 = jax_fa3.quantize_fp8(_KC, block_size=8)
   v8 = jax_fa3.quantize_fp8(_VC, block_size=8)
