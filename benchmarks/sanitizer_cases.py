@@ -22,15 +22,22 @@ call on float32 inputs (the pure-JAX path).
 """
 import argparse
 import itertools
+import os
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+# XLA's GPU autotuner runs candidate kernels while it compiles. Under memcheck the process died
+# with a segmentation fault inside such a compile (XLA's slow-compile alarm for `jit_loss`, then
+# the fault; H100, 2026-12-06); these cases' XLA ops are tiny, so nothing is autotuned. (Whether
+# this avoids that fault has not been run yet.)
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0").strip()
 
-import jax_fa3
-from jax_fa3 import _bench
-from jax_fa3._validation import attention_config
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_fa3  # noqa: E402
+from jax_fa3 import _bench  # noqa: E402
+from jax_fa3._validation import attention_config  # noqa: E402
 
 CASES = [  # (b, s_q, s_k, h, h_k, causal, window, softcap)
     (1, 65, 129, 2, 1, False, (-1, -1), 0.0),
