@@ -6,8 +6,11 @@ and cuDNN when the run has them) and writes a PNG with a
 forward and a backward panel per head dim, stamped with the run's date, GPU and commit. Both come
 from the same run, so every number in them was measured beside the others.
 
-  python benchmarks/readme_table.py RUN.json [--png benchmarks/readme_performance.png]
+  python benchmarks/readme_table.py RUN.json [MORE.json ...] [--png benchmarks/readme_performance.png]
       [--seqlens 1024,4096,8192,16384] [--commit abc1234]
+
+Several JSONs are one run split into calls (a GPU machine's command has a time limit): their
+headers must name the same device, date, commit and JAX, and no row may appear twice.
 
 `--commit` labels a JSON written before bench_attention.py recorded its commit; `--readme
 README.md` also replaces the table between the README's two performance-table markers.
@@ -36,6 +39,27 @@ def load(path: str, commit: str | None = None) -> tuple[dict, list[dict]]:
     header["commit"] = commit
   header.setdefault("commit", "unknown")
   return header, data["rows"]
+
+
+RUN_KEYS = ("device", "date", "commit", "jax")
+
+
+def load_runs(paths: list[str], commit: str | None = None) -> tuple[dict, list[dict]]:
+  """One header and the rows of every JSON, which must come from one run (same RUN_KEYS)."""
+  header, rows = load(paths[0], commit)
+  seen = {(r["peer"], r["d"], r["causal"], r["seqlen"]) for r in rows}
+  for path in paths[1:]:
+    other, more = load(path, commit)
+    differ = [k for k in RUN_KEYS if other.get(k) != header.get(k)]
+    if differ:
+      raise ValueError(f"{path}: not the run of {paths[0]} (differs in {', '.join(differ)})")
+    for r in more:
+      key = (r["peer"], r["d"], r["causal"], r["seqlen"])
+      if key in seen:
+        raise ValueError(f"{path}: row {key} is also in an earlier JSON")
+      seen.add(key)
+      rows.append(r)
+  return header, rows
 
 
 def _value(rows, peer, d, causal, seqlen, direction):
@@ -141,7 +165,8 @@ def update_readme(path: str, text: str, source: str) -> None:
 def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("json", help="one JSON written by benchmarks/bench_attention.py")
+  parser.add_argument("json", nargs="+",
+                      help="JSONs written by benchmarks/bench_attention.py in one run")
   parser.add_argument("--png", default="benchmarks/readme_performance.png")
   parser.add_argument("--seqlens", default=None,
                       help="comma-separated subset for the table (the plot shows every seqlen)")
@@ -150,13 +175,13 @@ def main():
   parser.add_argument("--readme", default=None,
                       help="a README whose performance-table markers get the table")
   args = parser.parse_args()
-  header, rows = load(args.json, args.commit)
+  header, rows = load_runs(args.json, args.commit)
   seqlens = [int(s) for s in args.seqlens.split(",")] if args.seqlens else None
   text = table(header, rows, seqlens)
   print(text)
   plot(header, rows, args.png)
   if args.readme:
-    update_readme(args.readme, text, args.json)
+    update_readme(args.readme, text, "`, `".join(args.json))
 
 
 if __name__ == "__main__":
