@@ -5,10 +5,12 @@ every row's cache full to the given length. Peers, same shapes, same cache:
 `jax_fa3` (`flash_attention_with_kvcache`, attend only, split-KV as it chooses),
 `jax_fa3_unsplit` (the same with `num_splits=1`), `jax_fa3_paged` (the same cache as a pool of
 256-key pages with a page table, read in place), `jax_fa3_append` (the same call also
-appending the token's k/v, caches donated), `cudnn` / `xla` (`jax.nn.dot_product_attention` with
-`key_value_seq_lengths`). Bandwidth counts the K and V bytes a call must read (batch · length ·
-kv_heads · d · 2 tensors · 2 bytes) over its time; `copy` is the measured device copy bandwidth
-(read + write of a 2 GiB buffer), the ceiling decoding can approach.
+appending the token's k/v, caches donated), `jax_fa3_fp8` / `jax_fa3_fp8_append` (the same two
+calls on the cache quantized to e4m3 with `quantize_fp8`, 64-slot blocks), `cudnn` / `xla`
+(`jax.nn.dot_product_attention` with `key_value_seq_lengths`). Bandwidth counts the K and V bytes
+a call must read (batch · length · kv_heads · d · 2 tensors · 2 bytes, 1 byte for the e4m3
+caches) over its time; `copy` is the measured device copy bandwidth (read + write of a 2 GiB
+buffer), the ceiling decoding can approach.
 
 Two times per call:
   us          one jitted call per step, back to back: what a loop in Python that dispatches the
@@ -35,6 +37,7 @@ from jax_fa3 import _bench
 HEADS, KV_HEADS, D = 32, 4, 128
 PAGE = 256  # keys per page of the paged peer (a multiple of the d = 128 kernel's key block)
 DECODE_STEPS = 32
+FP8_BLOCK = 64  # slots per scale of the e4m3 caches (quantize_fp8's default)
 
 
 def looped(fn, steps=DECODE_STEPS):
@@ -83,13 +86,16 @@ def _peers():
                                           implementation=implementation)
     return call
 
-  peers = {"jax_fa3": (jax.jit(ours), False),
-           "jax_fa3_unsplit": (jax.jit(ours_unsplit), False),
-           "jax_fa3_paged": (jax.jit(ours_paged), False),
-           "jax_fa3_append": (jax.jit(ours_append, donate_argnums=(1, 2)), True),
-           "xla": (jax.jit(dpa("xla")), False)}
+  # name -> (function, appends, caches in e4m3)
+  peers = {"jax_fa3": (jax.jit(ours), False, False),
+           "jax_fa3_unsplit": (jax.jit(ours_unsplit), False, False),
+           "jax_fa3_paged": (jax.jit(ours_paged), False, False),
+           "jax_fa3_append": (jax.jit(ours_append, donate_argnums=(1, 2)), True, False),
+           "jax_fa3_fp8": (jax.jit(ours), False, True),
+           "jax_fa3_fp8_append": (jax.jit(ours_append, donate_argnums=(1, 2)), True, True),
+           "xla": (jax.jit(dpa("xla")), False, False)}
   if jax.default_backend() == "gpu":
-    peers["cudnn"] = (jax.jit(dpa("cudnn")), False)
+    peers["cudnn"] = (jax.jit(dpa("cudnn")), False, False)
   return peers
 
 
@@ -110,15 +116,18 @@ def run(batches, caches, min_time, peer_names=None):
       q = jax.random.normal(kq, (b, 1, HEADS, D), jnp.float32).astype(jnp.bfloat16)
       lengths = jnp.full((b,), s, jnp.int32)
       new = [jax.random.normal(kn, (b, 1, KV_HEADS, D), jnp.float32).astype(jnp.bfloat16)] * 2
-      cache_bytes = b * s * KV_HEADS * D * 2 * 2
       reference = None
-      for name, (fn, appends) in peers.items():
+      for name, (fn, appends, fp8) in peers.items():
+        cache_bytes = b * s * KV_HEADS * D * 2 * (1 if fp8 else 2)
 
-        def measure(row, fn=fn, appends=appends):
+        def measure(row, fn=fn, appends=appends, fp8=fp8, cache_bytes=cache_bytes):
           nonlocal reference
           # Fresh caches per peer (the appending peer donates and so consumes them).
           k_cache = jax.random.normal(kk, (b, s, KV_HEADS, D), jnp.float32).astype(jnp.bfloat16)
           v_cache = jax.random.normal(kv, (b, s, KV_HEADS, D), jnp.float32).astype(jnp.bfloat16)
+          if fp8:
+            k_cache, v_cache = (jax_fa3.quantize_fp8(c, block_size=FP8_BLOCK)
+                                for c in (k_cache, v_cache))
           if appends:
             state = {"k": k_cache, "v": v_cache}
 
