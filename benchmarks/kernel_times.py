@@ -34,11 +34,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_decode  # noqa: E402
 import bench_padded  # noqa: E402
 import bench_step  # noqa: E402
+import jax_fa3  # noqa: E402
 from jax_fa3 import _bench  # noqa: E402
 
 
 def decode_scenario(peer, batch, cache):
-  fn, appends = bench_decode._peers()[peer]
+  fn, appends, fp8 = bench_decode._peers()[peer]
   if appends:
     raise ValueError(f"peer {peer!r} donates its caches; time it with bench_decode.py")
   b, s = int(batch), int(cache)
@@ -47,6 +48,9 @@ def decode_scenario(peer, batch, cache):
   shape = (b, s, bench_decode.KV_HEADS, bench_decode.D)
   k_cache = jax.random.normal(keys[1], shape, jnp.bfloat16)
   v_cache = jax.random.normal(keys[2], shape, jnp.bfloat16)
+  if fp8:
+    k_cache, v_cache = (jax_fa3.quantize_fp8(c, block_size=bench_decode.FP8_BLOCK)
+                        for c in (k_cache, v_cache))
   return jax.jit(fn), (q, k_cache, v_cache, jnp.full((b,), s, jnp.int32))
 
 
