@@ -64,18 +64,23 @@ def _slots(cache, page_table, cache_batch_idx, b, capacity):
           jnp.broadcast_to(position[None, :], (b, capacity)))
 
 
-def _append(cache, new, first, slots):
-  """cache with new[:, t] written at logical slot first + t of each row; slots past the
-  capacity are dropped (never written elsewhere)."""
+def _append_targets(slots, first, s_new, rows):
+  """(row or page, offset, inside), each (b, s_new): where token t of each row lands (logical
+  slot first + t); inside is False past the capacity and on a traced page or row out of range."""
   where, offset = slots
   capacity = where.shape[1]
-  t = jnp.arange(new.shape[1])[None, :]
-  logical = first[:, None] + t  # (b, s_new)
-  inside = (logical >= 0) & (logical < capacity)
+  logical = first[:, None] + jnp.arange(s_new)[None, :]
   clipped = jnp.clip(logical, 0, capacity - 1)
   target = jnp.take_along_axis(where, clipped, axis=1)
   position = jnp.take_along_axis(offset, clipped, axis=1)
-  inside &= (target >= 0) & (target < cache.shape[0])  # a traced page or row out of range
+  inside = (logical >= 0) & (logical < capacity) & (target >= 0) & (target < rows)
+  return target, position, inside
+
+
+def _append(cache, new, first, slots):
+  """cache with new[:, t] written at logical slot first + t of each row; slots past the
+  capacity are dropped (never written elsewhere)."""
+  target, position, inside = _append_targets(slots, first, new.shape[1], cache.shape[0])
   target = jnp.where(inside, target, cache.shape[0])  # out of range: dropped by the scatter
   return cache.at[target, position].set(new.astype(cache.dtype), mode="drop")
 
@@ -110,17 +115,12 @@ def _append_fp8(cache, new, first, slots, block_size):
   batch row; rows whose appends land in one shared page block (an aliased page) keep one row's
   tokens there."""
   values, scales = cache
-  where, offset = slots
   b, s_new = new.shape[:2]
   if s_new == 0:
     return values, scales
   rows, slots_per_row, h_k, d = values.shape
-  capacity, n_blocks = where.shape[1], scales.shape[-1]
-  logical = first[:, None] + jnp.arange(s_new)[None, :]  # (b, s_new)
-  clipped = jnp.clip(logical, 0, capacity - 1)
-  target = jnp.take_along_axis(where, clipped, axis=1)
-  position = jnp.take_along_axis(offset, clipped, axis=1)
-  inside = (logical >= 0) & (logical < capacity) & (target >= 0) & (target < rows)
+  n_blocks = scales.shape[-1]
+  target, position, inside = _append_targets(slots, first, s_new, rows)
   block_id = jnp.where(inside, target * n_blocks + position // block_size, -1)
   # Consecutive tokens of a row in one block form a run; each run is one block to rewrite.
   starts = jnp.concatenate([jnp.ones((b, 1), bool), block_id[:, 1:] != block_id[:, :-1]], axis=1)
