@@ -40,6 +40,11 @@ DECODE_STEPS = 32
 FP8_BLOCK = 64  # slots per scale of the e4m3 caches (quantize_fp8's default)
 
 
+def fp8_cache(cache):
+  """The e4m3 (values, scales) form of a bf16 cache that the fp8 peers attend over."""
+  return jax_fa3.quantize_fp8(cache, block_size=FP8_BLOCK)
+
+
 def looped(fn, steps=DECODE_STEPS):
   """(q, k_cache, v_cache, lengths) -> q after `steps` calls of fn in one compiled loop."""
   @jax.jit
@@ -126,8 +131,7 @@ def run(batches, caches, min_time, peer_names=None):
           k_cache = jax.random.normal(kk, (b, s, KV_HEADS, D), jnp.float32).astype(jnp.bfloat16)
           v_cache = jax.random.normal(kv, (b, s, KV_HEADS, D), jnp.float32).astype(jnp.bfloat16)
           if fp8:
-            k_cache, v_cache = (jax_fa3.quantize_fp8(c, block_size=FP8_BLOCK)
-                                for c in (k_cache, v_cache))
+            k_cache, v_cache = fp8_cache(k_cache), fp8_cache(v_cache)
           if appends:
             state = {"k": k_cache, "v": v_cache}
 

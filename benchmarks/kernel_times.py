@@ -34,7 +34,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_decode  # noqa: E402
 import bench_padded  # noqa: E402
 import bench_step  # noqa: E402
-import jax_fa3  # noqa: E402
 from jax_fa3 import _bench  # noqa: E402
 
 
@@ -49,8 +48,7 @@ def decode_scenario(peer, batch, cache):
   k_cache = jax.random.normal(keys[1], shape, jnp.bfloat16)
   v_cache = jax.random.normal(keys[2], shape, jnp.bfloat16)
   if fp8:
-    k_cache, v_cache = (jax_fa3.quantize_fp8(c, block_size=bench_decode.FP8_BLOCK)
-                        for c in (k_cache, v_cache))
+    k_cache, v_cache = bench_decode.fp8_cache(k_cache), bench_decode.fp8_cache(v_cache)
   return jax.jit(fn), (q, k_cache, v_cache, jnp.full((b,), s, jnp.int32))
 
 

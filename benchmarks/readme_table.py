@@ -44,17 +44,21 @@ def load(path: str, commit: str | None = None) -> tuple[dict, list[dict]]:
 RUN_KEYS = ("device", "date", "commit", "jax")
 
 
+def _row_key(row: dict) -> tuple:
+  return (row["peer"], row["d"], row["causal"], row["seqlen"])
+
+
 def load_runs(paths: list[str], commit: str | None = None) -> tuple[dict, list[dict]]:
   """One header and the rows of every JSON, which must come from one run (same RUN_KEYS)."""
   header, rows = load(paths[0], commit)
-  seen = {(r["peer"], r["d"], r["causal"], r["seqlen"]) for r in rows}
+  seen = {_row_key(r) for r in rows}
   for path in paths[1:]:
     other, more = load(path, commit)
     differ = [k for k in RUN_KEYS if other.get(k) != header.get(k)]
     if differ:
       raise ValueError(f"{path}: not the run of {paths[0]} (differs in {', '.join(differ)})")
     for r in more:
-      key = (r["peer"], r["d"], r["causal"], r["seqlen"])
+      key = _row_key(r)
       if key in seen:
         raise ValueError(f"{path}: row {key} is also in an earlier JSON")
       seen.add(key)
@@ -64,7 +68,7 @@ def load_runs(paths: list[str], commit: str | None = None) -> tuple[dict, list[d
 
 def _value(rows, peer, d, causal, seqlen, direction):
   for r in rows:
-    if (r["peer"], r["d"], r["causal"], r["seqlen"]) == (peer, d, causal, seqlen):
+    if _row_key(r) == (peer, d, causal, seqlen):
       return r.get(f"{direction}_tflops")
   return None
 
