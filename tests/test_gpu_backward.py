@@ -109,6 +109,21 @@ def test_deterministic_backward_80_row_q_blocks_repeats_bit_for_bit(dtype):
   _check_repeats_bit_for_bit(q, k, v, do, dtype, **kw)
 
 
+# Causal problems whose kv heads' Q + dO + fp32 dQ exceed the L2 budget launch longest first in
+# sections of kv heads (cuda/flash_bwd/tile_order.h): here 12 kv heads of 8 MiB each (8 query heads
+# per kv head at d = 128, 4 at d = 256; 1024 queries) make two sections of 6 per batch row
+# (tests/cuda/check_bwd_tile_order.cu checks that choice for these shapes).
+@pytest.mark.parametrize("d,h", [(128, 96), (256, 48)])
+def test_backward_longest_first_in_sections(d, h):
+  q, k, v, do = _inputs(d + h, 2, 1024, 1024, h, 12, d, jnp.bfloat16)
+  _check_backward(q, k, v, do, jnp.bfloat16, causal=True)
+
+
+def test_deterministic_backward_in_sections_repeats_bit_for_bit():
+  q, k, v, do = _inputs(5, 2, 1024, 1024, 96, 12, 128, jnp.bfloat16)
+  _check_repeats_bit_for_bit(q, k, v, do, jnp.bfloat16, causal=True, deterministic=True)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_backward_softmax_scale(dtype):
   q, k, v, do = _inputs(77, 2, 333, 400, 4, 2, 128, dtype)

@@ -6,7 +6,8 @@
 //   P^T -> Element registers, dV += P^T dO issued at once (RS: A from registers);
 //   dS^T -> Element registers and into the shared dS tile (rows contiguous; stmatrix),
 //   fence.proxy.async,
-//   named barrier (dQ needs both warpgroups' keys);
+//   named barrier (dQ needs both warpgroups' keys; the tile is rewritten once the other
+//   warpgroup's dQ wgmma of the previous block finished: a one-way barrier, sync.cuh);
 //   dQ = dS K (SS, the dS tile is an MN-major A), dK += dS^T Q (RS); dQ is stored while dK runs.
 //   With 80-row Q blocks (Traits::kDqTransposed): dS^T goes to a key-contiguous dS tile by
 //   stmatrix.trans and dQ^T = K^T dS^T (SS, the dS tile a K-major B) takes dQ's place.
@@ -48,6 +49,10 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParamsOf<Traits> co
   constexpr bool kFp8 = Traits::kFp8;
   using Barrier = cutlass::arch::ClusterBarrier;
   const int n_iters = (m_end - m_begin) * group;
+  // The one-way P/dS-free barrier (sync.cuh), except where its two barrier ids cost registers the
+  // kernel does not have: the 80-row kernel (wg not warp-uniform, 16 bytes spilled) and d = 64
+  // with softcap and key ranges (12 bytes). Those keep the two-way rendezvous on kPdSFree.
+  constexpr bool kOneWayPdSFree = !Traits::kDqTransposed && !(kSoftcap && kKeyRanges);
   // Warp-uniform by construction (a broadcast from lane 0): the compiler then keeps everything
   // derived from it, the wgmma descriptors of this warpgroup's operand slices above all, on the
   // uniform datapath instead of computing them per thread and moving them over (R2UR; d = 128:
@@ -157,6 +162,10 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParamsOf<Traits> co
   for (int g = 0; g < group; ++g) {
     const int qh = hk * group + g;
     for (int m = m_begin; m < m_end; ++m, ++it) {
+      // The previous block's wgmmas that read the P / dS tiles completed before this warpgroup
+      // left it: the other warpgroup may overwrite them. Arriving here, not at the end of that
+      // block, needs no "not the last block" test: arrivals and syncs (sync.cuh) both skip it = 0.
+      if (kOneWayPdSFree && it > 0) named_barrier_arrive(pds_free_barrier(wg ^ 1), kMma);
       const int stage = it % kStages;
       Barrier::wait(&ss.bar_full[stage], (it / kStages) & 1);
 
@@ -284,8 +293,11 @@ __device__ __forceinline__ void run_consumer_key_major(KernelParamsOf<Traits> co
         for (int i = 0; i < size(tSrdP); ++i) tdKrdS(i) = static_cast<Element>(tSrdP(i));
       }
 
-      // Both warpgroups' dQ wgmmas of the previous block have finished reading the dS tile.
-      if (it > 0) named_barrier_sync(NamedBarrier::kPdSFree, kMma);
+      // The other warpgroup's dQ wgmma of the previous block has finished reading the dS tile
+      // (this warpgroup's own did before it left that block).
+      if (it > 0) {
+        named_barrier_sync(kOneWayPdSFree ? pds_free_barrier(wg) : NamedBarrier::kPdSFree, kMma);
+      }
       if constexpr (kPairStores) {
         CUTE_UNROLL
         for (int i = 0; i < size(tSrdP); i += 2) {

@@ -99,6 +99,10 @@ __device__ __forceinline__ void run_consumer_row_major(KernelParams<Traits> cons
   for (int g = 0; g < group; ++g) {
     const int qh = hk * group + g;
     for (int m = m_begin; m < m_end; ++m, ++it) {
+      // The previous block's wgmmas that read the P / dS tiles completed before this warpgroup
+      // left it: the other warpgroup may overwrite them. Arriving here, not at the end of that
+      // block, needs no "not the last block" test: arrivals and syncs (sync.cuh) both skip it = 0.
+      if (it > 0) named_barrier_arrive(pds_free_barrier(wg ^ 1), kMma);
       const int stage = it % kStages;
       Barrier::wait(&ss.bar_full[stage], (it / kStages) & 1);
 
@@ -196,8 +200,9 @@ __device__ __forceinline__ void run_consumer_row_major(KernelParams<Traits> cons
         p_and_ds(cute::false_type{}, cute::false_type{});
       }
 
-      // Both warpgroups' wgmmas of the previous block have finished reading P and dS.
-      if (it > 0) named_barrier_sync(NamedBarrier::kPdSFree, kMma);
+      // The other warpgroup's wgmmas of the previous block have finished reading P and dS (this
+      // warpgroup's own did before it left that block).
+      if (it > 0) named_barrier_sync(pds_free_barrier(wg), kMma);
       CUTE_UNROLL
       for (int i = 0; i < size(tSrS); i += 2) {
         const uint32_t off =

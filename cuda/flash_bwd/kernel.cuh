@@ -134,7 +134,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   auto& ss = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
-  const TileOrder::Coord tile = p.order.coord(blockIdx.x, blockIdx.y, blockIdx.z);
+  // 80-row Q blocks take no causal mask or window (params.h wide_q_blocks), so always the plain
+  // order (launch.cuh checks); decoding the sectioned one there (a division) spilled 16 bytes.
+  const TileOrder::Coord tile =
+      Traits::kDqTransposed ? TileOrder::Coord{int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)}
+                            : p.order.coord(blockIdx.x, blockIdx.y, blockIdx.z);
   const int n_block = tile.n_block;
   const int hk = tile.hk;
   const int bidb = tile.bidb;

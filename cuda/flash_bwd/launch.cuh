@@ -123,10 +123,12 @@ cudaError_t launch_main_and_postprocess(Kernel kernel, const Params& kp, const F
   JAX_FA3_RETURN_IF_CUDA_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int num_n_blocks = (p.s_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  // Causal and right-windowed CTAs differ in length: launch the longest first where L2 allows
-  // (tile_order.h). Otherwise grid y holds the kv heads (h_k <= h <= 65535, checked by callers).
+  // Causal and right-windowed CTAs differ in length: launch the longest first, in sections of kv
+  // heads that fit L2 (tile_order.h). Otherwise grid y holds the kv heads (h_k <= h <= 65535,
+  // checked by callers).
   Params params = kp;
-  params.order = TileOrder::for_problem(p.window_right, num_n_blocks, p.h, p.s_q, p.d);
+  params.order = TileOrder::for_problem(p.window_right, num_n_blocks, p.h, p.h_k, p.b, p.s_q, p.d);
+  if (Traits::kDqTransposed && params.order.longest_first()) return cudaErrorInvalidValue;
   const TileOrder::Dims dims = params.order.grid(num_n_blocks, p.h_k, p.b);
   const dim3 grid(dims.x, dims.y, dims.z);
   kernel<<<grid, Traits::kNumThreads, smem, stream>>>(params);

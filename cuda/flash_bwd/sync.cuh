@@ -10,13 +10,27 @@ namespace jax_fa3::flash_bwd {
 // Named barrier ids used by the consumer warpgroups (0 is __syncthreads).
 enum class NamedBarrier : uint32_t {
   kPdSReady = 1,   // both warpgroups wrote their half of P and dS (after fence.proxy.async)
-  kPdSFree = 2,    // both warpgroups' wgmmas that read P and dS of the previous block finished
-  kDeterministic = 3,  // dQ semaphore acquired / all dQ atomics of this block issued
+  // One per writer, kPdSFree + wg (pds_free_barrier): the other warpgroup's wgmmas that read P
+  // and dS of the previous block finished, so warpgroup wg may overwrite them. (Kernels short of
+  // registers sync both warpgroups on kPdSFree instead: a rendezvous, same guarantee.)
+  kPdSFree = 2,
+  kDeterministic = 4,  // dQ semaphore acquired / all dQ atomics of this block issued
   // dQ through shared memory (consumers + the dQ-writer warp, kMma + 32 threads), one pair per
   // sdq buffer b at kDqFull + 2 b, kDqEmpty + 2 b (dq_barrier):
-  kDqFull = 4,     // consumers wrote this block's dQ partial into sdq (after fence.proxy.async)
-  kDqEmpty = 5,    // the writer's bulk reduce finished reading sdq: it may be overwritten
+  kDqFull = 5,     // consumers wrote this block's dQ partial into sdq (after fence.proxy.async)
+  kDqEmpty = 6,    // the writer's bulk reduce finished reading sdq: it may be overwritten
 };
+
+// "Warpgroup wg may overwrite the P / dS tiles": one-way, not a rendezvous. The other warpgroup
+// arrives on it (bar.arrive) at the start of each Q block after its first (its wgmmas reading the
+// previous block's tiles completed in that block), and wg syncs on it right before its stores,
+// by when the arrival has happened in the common case. A two-way barrier there (both sync) held
+// the warpgroups in step twice per Q block, kPdSReady being the other. Arrivals cannot run ahead:
+// the other warpgroup's next arrival follows its next kPdSReady, which needs wg's stores, i.e.
+// wg's sync. Both sides skip the first block, so counts match.
+__device__ __forceinline__ NamedBarrier pds_free_barrier(int wg) {
+  return static_cast<NamedBarrier>(static_cast<uint32_t>(NamedBarrier::kPdSFree) + wg);
+}
 
 // The named barrier `id` (kDqFull or kDqEmpty) of sdq buffer b. A run-time barrier id makes
 // ptxas reserve all 16 barriers, harmless at one CTA per SM.
