@@ -1,17 +1,10 @@
 """tools/bwd_order_model.py: the list-scheduling model behind the backward's sectioned grid order
 (cuda/flash_bwd/tile_order.h) picks the kernel's sections and is never worse than the rule before."""
-import importlib.util
-import pathlib
-
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from repo_script import load_script
 
 
 def _model():
-  spec = importlib.util.spec_from_file_location("bwd_order_model",
-                                                REPO / "tools" / "bwd_order_model.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script("tools/bwd_order_model.py")
 
 
 def test_sections_match_the_kernels_choice():

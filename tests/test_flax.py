@@ -8,7 +8,6 @@ grouping) is an O(1e-1) error. Everything heavy runs under jit: eager tracing of
 path is slow on the CPU.
 """
 import functools
-import importlib.util
 import pathlib
 import sys
 
@@ -29,6 +28,7 @@ pytestmark = pytest.mark.skipif(
     not _FLAX_HAS_GQA, reason=f"jax_fa3.flax needs flax >= 0.12.6 (GQA in nnx.MultiHeadAttention), "
                               f"found {flax.__version__}")
 from oracle import visibility_mask
+from repo_script import load_script
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TOL = 1e-5
@@ -374,11 +374,7 @@ def test_layers_refuse_what_they_cannot_honour():
 # ----------------------------------------------------------------------------- examples
 
 def _load_example(name):
-  spec = importlib.util.spec_from_file_location(f"example_{name}", REPO / "examples" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses resolve annotations through sys.modules
-  spec.loader.exec_module(module)
-  return module
+  return load_script(f"examples/{name}.py", f"example_{name}")
 
 
 def test_train_gpt_two_steps_data_parallel_compare(tmp_path):

@@ -1,20 +1,13 @@
 """benchmarks/kernel_times.py, the per-kernel breakdown of a call from a jax.profiler trace: its
 scenario parsing and its summary of device events (the trace itself needs a GPU)."""
-import importlib.util
-import pathlib
-
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from repo_script import load_script
 
 
 @pytest.fixture(scope="module")
 def tool():
-  spec = importlib.util.spec_from_file_location("kernel_times",
-                                                REPO / "benchmarks" / "kernel_times.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script("benchmarks/kernel_times.py")
 
 
 @pytest.mark.parametrize("spec", ["decode:jax_fa3:1", "padded:varlen", "step:bf16:128",

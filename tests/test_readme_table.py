@@ -1,15 +1,12 @@
 """benchmarks/readme_table.py: the README's table from one run, possibly split into several JSONs
 (a GPU machine's command has a time limit), never from rows of different runs."""
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
-_PATH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "readme_table.py"
-_spec = importlib.util.spec_from_file_location("readme_table", _PATH)
-readme_table = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(readme_table)
+from repo_script import load_script
+
+readme_table = load_script("benchmarks/readme_table.py")
 
 HEADER = {"device": "NVIDIA H200", "date": "2026-12-06", "commit": "abc1234", "jax": "0.11.2"}
 

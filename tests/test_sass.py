@@ -12,7 +12,6 @@ forward 12 bytes under its 208-register cap, outside the K/V loop, its 192-row k
 Skipped without the installed kernels library (a pure-JAX install) or cuobjdump and nvdisasm (the
 test extra's nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm provide them).
 """
-import importlib.util
 import os
 import pathlib
 import re
@@ -20,8 +19,8 @@ import re
 import pytest
 
 import jax_fa3
+from repo_script import load_script
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 
 # Local-memory instructions (LDL + STL) allowed per kernel; every other kernel: none.
 # fp8 d128 with 128-row tiles: 12 bytes (3 STL + 3 LDL, all per tile, none in the K/V loop) under
@@ -41,10 +40,7 @@ SPILL_BUDGET = {r"flash_fwd_kernel<fwd::Fp8KernelTraits<128, 128> >": 6,
 
 
 def _sass_report():
-  spec = importlib.util.spec_from_file_location("sass_report", REPO / "tools" / "sass_report.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script("tools/sass_report.py")
 
 
 @pytest.fixture(scope="module")

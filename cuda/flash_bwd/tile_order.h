@@ -12,8 +12,8 @@
 // divisor of h_k, whose Q + dO (2-byte elements) + fp32 dQ fit kLongestFirstMaxBytes. On the
 // H200 (50 MB L2) at width 2048, whole batch rows as sections gained 4-12% at 1k-4k causal (16-64
 // MiB of Q + dO + dQ per row) and lost 1-5% at 16k (256 MiB per row); a list-scheduling model of
-// 132 SMs puts the plain order's tail at 5% of the d = 128 causal backward at 8k (2 x 16 heads),
-// none with sections of 8 heads (64 MiB).
+// 132 SMs (tools/bwd_order_model.py) puts the plain order's tail at 5% of the d = 128 causal
+// backward at 8k (2 x 16 heads), none with sections of 8 heads (64 MiB).
 //
 // Coordinates stay block indices where they can: a decoded (n, hk, b) is three more values to
 // keep live in the consumers, which made the d = 64 softcap kernel spill; blockIdx is re-read.
