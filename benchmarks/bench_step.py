@@ -13,7 +13,8 @@ Peers: `bf16` (jax_fa3.flash_attention), `fp8` (flash_attention_fp8 from bf16, b
 the bf16 backward kernel at the quantized q and k, from the fp8 forward's out and lse), `fp8_recompute` (backward=
 "recompute": a bf16 forward runs again before the backward), `fp8_backward_fp8` (backward="fp8":
 the fp8 backward kernel, e4m3 for S, dV and dK), `cudnn`
-(jax.nn.dot_product_attention(implementation="cudnn")). Each peer's gradients are checked
+(jax.nn.dot_product_attention(implementation="cudnn")), `fa3_kernels` (FlashAttention-3's own
+kernels through flash-attn3-jax where installed: causal d = 128 only). Each peer's gradients are checked
 against our bf16 ones before its time is quoted (fp8: within 8e-2 relative, the fp8 error).
 """
 from __future__ import annotations
@@ -41,7 +42,22 @@ def _peers(causal):
   if jax.devices()[0].platform == "gpu":
     peers["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, is_causal=causal, implementation="cudnn")
+    fa3 = _flash_attn3(causal)
+    if fa3 is not None:
+      peers["fa3_kernels"] = fa3
   return peers
+
+
+def _flash_attn3(causal):
+  """FA3's own kernels (flash-attn3-jax, d = 128) where installed; causal only, since that
+  package's non-causal backward returns wrong gradients (0.2.3)."""
+  if not causal:
+    return None
+  try:
+    from flash_attn3_jax import flash_mha  # noqa: PLC0415
+  except ImportError:
+    return None
+  return lambda q, k, v: flash_mha(q, k, v, is_causal=True)
 
 
 def _step_fn(forward, do):
