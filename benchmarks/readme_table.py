@@ -143,8 +143,13 @@ def plot(header: dict, rows: list[dict], path: str) -> None:
       ax.tick_params(labelsize=7)
       if col == 0:
         ax.set_ylabel("TFLOP/s", fontsize=8)
-  handles, labels = axes[0][0].get_legend_handles_labels()
-  fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
+  # Every panel's lines in one legend (a peer may run at one head dim only).
+  legend = {}
+  for ax in (a for row in axes for a in row):
+    for handle, label in zip(*ax.get_legend_handles_labels()):
+      legend.setdefault(label, handle)
+  fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=4, fontsize=7,
+             frameon=False)
   fig.suptitle(f"jax_fa3 and peers, bf16, 16k tokens per call\n{stamp(header)}", fontsize=9)
   fig.tight_layout(rect=(0, 0.1, 1, 0.93))
   fig.savefig(path, dpi=130)
