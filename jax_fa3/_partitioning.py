@@ -65,13 +65,17 @@ LAYOUTS = {
     # may read (replicated but for the heads), and the rows' page tables (batch, pages_per_seq).
     "pool": ("pg", "ps", "n", "d"),
     "table": ("b", "pt"),
+    # An e4m3 cache's scales, one per block of slots: (batch, heads_k, blocks) beside "kv"
+    # caches, (num_pages, heads_k, blocks) beside "pool" ones.
+    "kv_scales": ("b", "n", "sb"),
+    "pool_scales": ("pg", "n", "sb"),
     # A decode step's split-KV pieces (batch, pieces, heads, head_dim) and their lse.
     "pieces": ("b", "sp", "h", "d"),
     "piece_rows": ("b", "sp", "h"),
 }
 # The factors of LAYOUTS that are never split (the pages of a pool, a page's slots, a table's
-# entries, a row's split-KV pieces) besides head_dim.
-_REPLICATED_FACTORS = ("pg", "ps", "pt", "sp")
+# entries, a row's split-KV pieces, a cache's scale blocks) besides head_dim.
+_REPLICATED_FACTORS = ("pg", "ps", "pt", "sp", "sb")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

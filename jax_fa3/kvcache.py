@@ -2,9 +2,11 @@
 paged, appending new keys and values first (FlashAttention's `flash_attn_with_kvcache`).
 
 The call runs padded-batch attention over the cache: each row's length is its key count and its
-mask diagonal its own (query i of s_q new queries sees key j <= i + len - s_q). A contiguous
-cache is read in place; paged, row-indexed and FP8 caches are first gathered (and dequantized)
-into logical order, a copy per call, until a kernel reads pages itself.
+mask diagonal its own (query i of s_q new queries sees key j <= i + len - s_q). On the kernels a
+contiguous cache is read in place, and so is a paged one whose pages hold whole key blocks; an
+FP8 cache is read in place by the e4m3 decode kernels when decoding (one query per row, head dim
+a multiple of 16 up to 128: `jax_fa3._fp8_cache_decode`). Other caches are first gathered (and
+dequantized) into logical order, a copy per call.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fa3 import _cache_attention, _fp8_quantize, _local_attention
+from jax_fa3 import _cache_attention, _fp8_cache_decode, _fp8_quantize, _local_attention
 from jax_fa3.fp8 import check_block_size, check_quantized, is_pair
 from jax_fa3._config import DEFAULT_BLOCK_SIZE
 from jax_fa3._validation import (attention_config, check_array, check_attention_dtypes,
@@ -204,7 +206,11 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
   the pure-JAX path. There, paged and row-indexed (cache_batch_idx) bf16/fp16 caches are
   read in place by the paged kernel when the page size (for cache_batch_idx: the capacity) is a
   multiple of its key block (`jax_fa3._local_attention.FORWARD_KEY_BLOCK`: 128 keys at d = 128);
-  otherwise, and for FP8 caches, they are gathered first (a copy per call). When decoding (one
+  otherwise they are gathered first (a copy per call). FP8 caches are read in place, in e4m3, by
+  the decode kernels' e4m3 variants when one query per row attends (head dim a multiple of 16 up
+  to 128; paged: the same page-size rule), each value converted to q's dtype as
+  `(value.astype(float32) * scale).astype(q.dtype)`; otherwise dequantized that way into a copy
+  per call. When decoding (one
   query per row) the query heads of a kv head share one query tile, and the split and merge are
   reshapes around the same kernels (`jax_fa3._cache_attention`).
   """
@@ -270,6 +276,16 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
   table = page_table if page_table is not None else (
       None if cache_batch_idx is None else cache_batch_idx.astype(jnp.int32)[:, None])
   page_size = k_cache.shape[1]
+  cfg = attention_config(q, logical, logical, softmax_scale=softmax_scale, causal=causal,
+                         window_size=window_size, softcap=softcap, deterministic=False)
+  if fp8:
+    in_place = _fp8_cache_decode.Fp8Cache(stored_k[0], stored_v[0], stored_k[1], stored_v[1],
+                                          None if table is None else table.astype(jnp.int32))
+    if _fp8_cache_decode.applies(q, in_place, cfg):
+      in_place = jax.lax.stop_gradient(in_place)
+      result = _fp8_cache_decode.decode(q, in_place, block_size, length, cfg, bool(return_lse),
+                                        int(num_splits))
+      return result if k is None else (result, tuple(stored_k), tuple(stored_v))
   if table is None and not fp8:
     # Batch row r is cache row r, its keys in logical order: attended in place.
     keys, values = k_cache, v_cache
@@ -289,8 +305,6 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
       keys, values = gather(stored_k), gather(stored_v)
     else:
       keys, values = k_cache[rows, positions], v_cache[rows, positions]
-  cfg = attention_config(q, logical, logical, softmax_scale=softmax_scale, causal=causal,
-                         window_size=window_size, softcap=softcap, deterministic=False)
   keys, values = jax.lax.stop_gradient((keys, values))
   result = _cache_attention.attend(q, keys, values, length, cfg, bool(return_lse),
                                    int(num_splits))

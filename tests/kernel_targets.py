@@ -30,6 +30,9 @@ FLASH_FWD_PAGED_ROW_BOUNDS = "jax_fa3_flash_fwd_paged_row_bounds"
 # A decode step (one query per row): GQA query heads as tile rows, split-KV pieces in the kernel.
 FLASH_FWD_DECODE = "jax_fa3_flash_fwd_decode"
 FLASH_FWD_PAGED_DECODE = "jax_fa3_flash_fwd_paged_decode"
+# The same over an e4m3 cache read in place (jax_fa3._fp8_cache_decode).
+FLASH_FWD_DECODE_FP8_CACHE = "jax_fa3_flash_fwd_decode_fp8_cache"
+FLASH_FWD_PAGED_DECODE_FP8_CACHE = "jax_fa3_flash_fwd_paged_decode_fp8_cache"
 FLASH_FWD_FP8 = "jax_fa3_flash_fwd_fp8"
 FLASH_BWD_FP8 = "jax_fa3_flash_bwd_fp8"
 ROTATE_QUANTIZE_FP8 = "jax_fa3_rotate_quantize_fp8"
@@ -38,7 +41,8 @@ SPLIT_KV_COMBINE = "jax_fa3_split_kv_combine"  # the merge of split-KV decoding'
 # Every target the extension registers; a test naming any other target is itself wrong.
 KNOWN_TARGETS = frozenset({FLASH_FWD, FLASH_BWD, FLASH_FWD_KEY_RANGES, FLASH_BWD_KEY_RANGES, FLASH_FWD_PAGED,
                            FLASH_FWD_ROW_BOUNDS, FLASH_FWD_PAGED_ROW_BOUNDS, FLASH_FWD_DECODE,
-                           FLASH_FWD_PAGED_DECODE, FLASH_FWD_FP8,
+                           FLASH_FWD_PAGED_DECODE, FLASH_FWD_DECODE_FP8_CACHE,
+                           FLASH_FWD_PAGED_DECODE_FP8_CACHE, FLASH_FWD_FP8,
                            FLASH_BWD_FP8, ROTATE_QUANTIZE_FP8, HADAMARD, SPLIT_KV_COMBINE})
 
 # StableHLO: `stablehlo.custom_call @name(`; compiled HLO: `custom_call_target="name"`.

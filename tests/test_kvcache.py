@@ -407,6 +407,36 @@ def test_fp8_cache_appends_and_attends(paged):
   del float_v
 
 
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_cache_decode_op_matches_the_oracle(paged, num_splits):
+  # The op that reads an e4m3 cache in place when decoding (jax_fa3._fp8_cache_decode): off-GPU
+  # its XLA path, the kernels' reference, through the same partitioned op, split and merge.
+  from jax_fa3 import _fp8_cache_decode  # noqa: PLC0415
+  from jax_fa3._validation import attention_config  # noqa: PLC0415
+  q, k_cache, v_cache, _, _ = _case(17, 1, 0)
+  block = 4 if paged else 8
+  table = None
+  if paged:
+    (k_cache, table), (v_cache, _) = _paged(k_cache, 5), _paged(v_cache, 5)
+  (k8, ks), (v8, vs) = (jax_fa3.quantize_fp8(x, block_size=block) for x in (k_cache, v_cache))
+  cache = _fp8_cache_decode.Fp8Cache(k8, v8, ks, vs, table)
+  logical = jax.ShapeDtypeStruct((B, CAPACITY, H_K, D), q.dtype)
+  cfg = attention_config(q, logical, logical, softmax_scale=None, causal=True,
+                         window_size=(-1, -1), softcap=0.0, deterministic=False)
+  out, lse = jax.jit(lambda q, cache, lengths: _fp8_cache_decode.decode(
+      q, cache, block, lengths, cfg, True, num_splits))(q, cache, jnp.asarray(LENGTHS))
+  deq = lambda x, s: np.asarray(jax_fa3.dequantize_fp8(x, s, block_size=block), np.float64)
+  k_full, v_full = deq(k8, ks), deq(v8, vs)
+  if paged:
+    k_full, v_full = _unpage(k_full, table), _unpage(v_full, table)
+  want_out, want_lse = _oracle(q, k_full, v_full, LENGTHS, window_right=0)
+  np.testing.assert_allclose(np.asarray(out), want_out, rtol=1e-5, atol=1e-5)
+  finite = np.isfinite(want_lse)
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+  np.testing.assert_allclose(np.asarray(lse)[finite], want_lse[finite], rtol=1e-5)
+
+
 def _fp8_append_oracle(stored, new, lengths, page_table, block):
   """The e4m3 append as a whole-cache pass: every slot dequantized, the tokens written at their
   logical slots (dropped past the capacity or on a page out of range), every block re-quantized,

@@ -310,3 +310,42 @@ def test_paged_cache_batch_and_head_sharding_run_locally(kind, splits):
   assert_close([got], [want])
   assert all(n == 0 for n in collectives(hlo).values()), collectives(hlo)
   assert tuple(got.sharding.spec)[:3] == ("data", None, "model")
+
+
+def fp8_cache_decode(q, k8, v8, k_scales, v_scales, lengths, *table, block=8, splits=1):
+  """A decode step over an e4m3 cache read in place (`_fp8_cache_decode`), through its
+  partitioned op (on the CPU its body dequantizes and runs the reference)."""
+  from jax_fa3 import _fp8_cache_decode  # noqa: PLC0415
+  cfg = AttentionConfig(softmax_scale=q.shape[-1] ** -0.5, window_right=0)
+  cache = _fp8_cache_decode.Fp8Cache(k8, v8, k_scales, v_scales, table[0] if table else None)
+  return (_fp8_cache_decode.decode(q, cache, block, lengths, cfg, False, splits),)
+
+
+@pytest.mark.parametrize("paged,splits", [(False, 1), (False, 2), (True, 2)])
+def test_fp8_cache_decode_batch_and_head_sharding_run_locally(paged, splits):
+  """As the paged decode above, for an e4m3 cache and its scales: batch rows and heads stay on
+  their devices (a pool's pages and its scales' blocks replicated), no collective, the
+  one-device result."""
+  mesh = make_mesh((2, 2, 2), ("data", "model", "other"), "auto")
+  rng = np.random.default_rng(5)
+  b, h, h_k, d, block, capacity = 4, 4, 2, 16, 8, 48
+  rows, slots = (b * 6 + 3, 8) if paged else (b, capacity)
+  q = jnp.asarray(rng.standard_normal((b, 1, h, d)), jnp.float32)
+  (k8, ks), (v8, vs) = (jax_fa3.quantize_fp8(jnp.asarray(
+      rng.standard_normal((rows, slots, h_k, d)), jnp.float32), block_size=block)
+      for _ in range(2))
+  lengths = jnp.asarray([48, 1, 30, 17], jnp.int32)
+  args = [q, k8, v8, ks, vs, lengths]
+  cache_spec, scale_spec = (P(None, None, "model"), P(None, "model")) if paged else (
+      P("data", None, "model"), P("data", "model"))
+  specs = [P("data", None, "model"), cache_spec, cache_spec, scale_spec, scale_spec, P("data")]
+  if paged:
+    args.append(jnp.asarray(rng.permutation(rows)[:b * 6].reshape(b, 6), jnp.int32))
+    specs.append(P("data"))
+  fn = functools.partial(fp8_cache_decode, block=block, splits=splits)
+  assert "custom_partitioning" in str(jax.make_jaxpr(fn)(*args))
+  (got,), hlo = run_sharded(fn, mesh, specs, *args)
+  (want,) = on_one_device(fn, *args)
+  assert_close([got], [want])
+  assert all(n == 0 for n in collectives(hlo).values()), collectives(hlo)
+  assert tuple(got.sharding.spec)[:3] == ("data", None, "model")

@@ -6,10 +6,29 @@
 #include "flash_fwd/barriers.h"
 #include "flash_fwd/consumer.h"
 #include "flash_fwd/fp8/row_sum.h"
+#include "flash_fwd/fp8_cache.h"
 #include "flash_fwd/kernel_params.h"
 #include "flash_fwd/producer.h"
 
 namespace jax_fa3::fwd {
+
+// The e4m3 cache's converter warpgroup (fp8_cache.h); none in the other kernels.
+template <class Traits>
+__device__ __forceinline__ bool is_converter(int warp_group) {
+  if constexpr (Traits::kFp8Cache) {
+    return warp_group == Traits::kConverterWarpGroup;
+  } else {
+    return false;
+  }
+}
+template <class Traits>
+constexpr uint32_t converter_threads() {
+  if constexpr (Traits::kFp8Cache) {
+    return Traits::kNumConverterThreads;
+  } else {
+    return 1;
+  }
+}
 
 // __launch_bounds__(threads, 1) caps registers at entry (65536 / 384 -> 168), which setmaxnreg
 // needs; the producer then gives registers back and the consumers raise theirs to 240.
@@ -26,12 +45,22 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     // so (KernelParams::early_q_release), else by consumer thread 0 once the TMA store of O has
     // read it (consumer.h).
     mbar_init(&ss.q_empty, params.early_q_release() ? Traits::kNumConsumerThreads / 32 : 1);
+    // The e4m3 cache's stages are filled by the converter's threads, each arriving once
+    // (fp8_cache.h); every other kernel's by one TMA (1 + tx).
+    constexpr uint32_t kFillArrivals = converter_threads<Traits>();
 #pragma unroll
     for (int s = 0; s < Traits::kStages; ++s) {
-      mbar_init(&ss.k_full[s], 1);
-      mbar_init(&ss.v_full[s], 1);
+      mbar_init(&ss.k_full[s], kFillArrivals);
+      mbar_init(&ss.v_full[s], kFillArrivals);
       mbar_init(&ss.k_empty[s], Traits::kNumConsumerThreads / 32);
       mbar_init(&ss.v_empty[s], Traits::kNumConsumerThreads / 32);
+    }
+    if constexpr (Traits::kFp8Cache) {
+#pragma unroll
+      for (int s = 0; s < Traits::kNumSlots; ++s) {
+        mbar_init(&ss.slot_full[s], 1);
+        mbar_init(&ss.slot_empty[s], Traits::kNumConverterThreads);
+      }
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -47,6 +76,11 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
   if (warp_group == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (threadIdx.x == 0) run_producer<Traits>(params, ss);
+  } else if (is_converter<Traits>(warp_group)) {
+    // Keeps the launch's 168 registers: 128 * (24 + 240 + 168) fits the 64K of the SM.
+    if constexpr (Traits::kFp8Cache) {
+      run_cache_converter<Traits>(params, ss, threadIdx.x - 128 * Traits::kConverterWarpGroup);
+    }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     run_consumer<Traits>(params, ss, threadIdx.x - 128);

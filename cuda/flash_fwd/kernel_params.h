@@ -63,8 +63,28 @@ template <class Traits>
 using TileVOf = std::conditional_t<Traits::kFp8, Shape<Int<Traits::kHeadDim>, Int<Traits::kBlockN>>,
                                    Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>>;
 
+// Extra parameters of the decode kernel over an e4m3 KV cache (fp8_cache.h), an empty base
+// otherwise: the TMA descriptors of the e4m3 K and V (or their pools) and their scales, one per
+// `scale_block` slots of a page (paged) or batch row, per kv head: (pages or b, h_k,
+// scale_blocks).
+template <class Traits, bool = Traits::kFp8Cache> struct Fp8CacheParams {};
+template <class Traits> struct Fp8CacheParams<Traits, true> {
+  using ElementCache = typename Traits::ElementCache;
+  using TmaSlot = decltype(make_tma_copy(
+      SM90_TMA_LOAD{},
+      std::declval<decltype(make_gmem_tensor(static_cast<ElementCache const*>(nullptr), 1, 1, 1, 1))>(),
+      take<0, 2>(typename Traits::SmemLayoutSlot{}),
+      Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{}));
+  TmaSlot tma_k8;
+  TmaSlot tma_v8;
+  const float* k_scales;
+  const float* v_scales;
+  int scale_block;   // slots per scale
+  int scale_blocks;  // scales per (page or batch row, kv head): ceil(page or row length / scale_block)
+};
+
 template <class Traits>
-struct KernelParams : ExtraParams<Traits::kFp8> {
+struct KernelParams : ExtraParams<Traits::kFp8>, Fp8CacheParams<Traits> {
   // Whether Q's buffer is released after each tile's last S GEMM (the next tile's Q then loads
   // under this tile's tail) instead of after the TMA store of O: fixed per traits for 16-bit
   // (Traits::kEarlyQRelease: O has its own buffer), chosen per call for fp8, whose O always has

@@ -61,6 +61,7 @@ struct ForwardTraitsBase {
   static constexpr int kNumThreads = 128 * (kNumConsumerWarpGroups + 1);  // + producer WG
   static constexpr int kNumConsumerThreads = 128 * kNumConsumerWarpGroups;
   static constexpr int kProducerRegs = 24;  // setmaxnreg budget of the producer warpgroup
+  static constexpr bool kFp8Cache = false;  // K/V from an e4m3 cache (fp8_cache.h)
 
   using TileShape = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
 

@@ -12,6 +12,7 @@
 #include "common/key_ranges.h"
 #include "common/window.h"
 #include "flash_fwd/flash_fwd.h"
+#include "flash_fwd/fp8_cache.h"
 #include "flash_fwd/kernel_traits.h"
 #include "flash_fwd/launch_common.h"
 
@@ -110,6 +111,56 @@ cudaError_t launch_traits(const FlashFwdParams& p, cudaStream_t stream) {
   return launch_kernel(params, std::min(num_sms, params.scheduler.num_tiles), stream);
 }
 
+// A decode step over an e4m3 KV cache (fp8_cache.h): the decode tile with the converter
+// warpgroup. The 16-bit K/V descriptors of the parameter block are never used (the producer
+// loads the e4m3 blocks through tma_k8 / tma_v8): they describe one row of q.
+template <class Traits>
+cudaError_t launch_fp8_cache(const FlashFwdParams& p, cudaStream_t stream) {
+  using Element = typename Traits::Element;
+  using ElementCache = typename Traits::ElementCache;
+  if (p.b == 0 || p.s_q == 0 || p.h == 0) return cudaSuccess;
+  if (p.d > Traits::kHeadDim || p.d % 16 != 0 || !p.qo_heads_major || p.row_lengths == nullptr ||
+      p.num_splits < 1 || p.scale_block < 1 || p.scale_blocks < 1 || p.s_k == 0 ||
+      p.k_scales == nullptr || p.v_scales == nullptr) {
+    return cudaErrorInvalidValue;  // the handler checked each
+  }
+  for (const void* ptr : {p.q, p.k, p.v, static_cast<const void*>(p.o)}) {
+    if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return cudaErrorMisalignedAddress;
+  }
+  const bool paged = p.kv_pages != nullptr;
+  if (paged && p.page_size % Traits::kBlockN != 0) return cudaErrorInvalidValue;
+  const int s_k_desc = paged ? p.num_pages * p.page_size : p.s_k;
+  const int b_k_desc = paged ? 1 : p.b;
+
+  FlashFwdScalars scalars = make_scalars(p);
+  if (p.num_splits > 1) {
+    scalars.num_splits = p.num_splits;
+    scalars.split_keys = split_piece_keys(p.s_k, p.num_splits, Traits::kBlockN);
+  }
+  if (paged) {
+    scalars.kv_pages = p.kv_pages;
+    scalars.pages_per_seq = p.pages_per_seq;
+    scalars.blocks_per_page = p.page_size / Traits::kBlockN;
+    scalars.num_pages = p.num_pages;
+  }
+  auto slot_tma = [&](const void* cache) {
+    return make_tma_copy(SM90_TMA_LOAD{},
+                         make_gmem_tensor(static_cast<const ElementCache*>(cache), s_k_desc, p.d,
+                                          p.h_k, b_k_desc),
+                         take<0, 2>(typename Traits::SmemLayoutSlot{}),
+                         Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{});
+  };
+  const Fp8CacheParams<Traits> cache{slot_tma(p.k), slot_tma(p.v), p.k_scales, p.v_scales,
+                                     p.scale_block, p.scale_blocks};
+  const auto* q = static_cast<const Element*>(p.q);
+  const KernelParams<Traits> params = make_kernel_params<Traits>(
+      {}, q, q, make_gmem_tensor(q, 1, p.d, 1, 1), static_cast<Element*>(p.o), p.b, p.s_q, 1,
+      p.h, 1, p.d, scalars, 1, /*qo_heads_major=*/true, cache);
+  int num_sms = 0;
+  JAX_FA3_RETURN_IF_CUDA_ERROR(current_device_sm_count(&num_sms));
+  return launch_kernel(params, std::min(num_sms, params.scheduler.num_tiles), stream);
+}
+
 // d64 tiles (H100, 2026-12-05, kernel through the public API, 16k tokens, TFLOP/s, every
 // candidate in one run; benchmarks/RESULTS.md):
 // * 192 x 128 (three consumer warpgroups, intra-warpgroup overlap) from 2049 keys on, causal or
@@ -149,6 +200,13 @@ inline bool decode_tile_applies(const FlashFwdParams& p, int key_block) {
 template <int kHeadDim, DType kDType>
 cudaError_t launch(const FlashFwdParams& p, cudaStream_t stream) {
   using Element = typename ElementOf<kDType>::type;
+  if (p.k_scales != nullptr) {
+    if constexpr (kHeadDim <= 128) {
+      return launch_fp8_cache<Fp8CacheTraits<kHeadDim, Element>>(p, stream);
+    } else {
+      return cudaErrorInvalidValue;  // the handler refuses d > 128
+    }
+  }
   if (p.key_ranges != nullptr || p.row_bounds != nullptr || p.row_lengths != nullptr) {
     if (decode_tile_applies(p, BlockN<kHeadDim>::value)) {
       return launch_traits<DecodeKernelTraits<kHeadDim, Element>>(p, stream);

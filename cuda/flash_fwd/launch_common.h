@@ -23,7 +23,8 @@ KernelParams<Traits> make_kernel_params(const ExtraParams<Traits::kFp8>& extra,
                                         const typename Traits::Element* k, GmemV const& v,
                                         typename Traits::ElementOut* o, int b, int s_q, int s_k,
                                         int h, int h_k, int d, const FlashFwdScalars& scalars,
-                                        int kv_batch = -1, bool qo_heads_major = false) {
+                                        int kv_batch = -1, bool qo_heads_major = false,
+                                        const Fp8CacheParams<Traits>& cache = {}) {
   using Params = KernelParams<Traits>;
   auto qo_tensor = [&](auto* ptr, int batch) {
     return qo_heads_major ? make_heads_major_gmem_tensor(ptr, s_q, d, h, batch)
@@ -31,6 +32,7 @@ KernelParams<Traits> make_kernel_params(const ExtraParams<Traits::kFp8>& extra,
   };
   return Params{
       extra,
+      cache,
       make_tma_copy(SM90_TMA_LOAD{}, qo_tensor(q, b),
                     typename Traits::SmemLayoutQ{}, typename Params::TileQ{}, _1{}),
       make_tma_copy(SM90_TMA_LOAD{}, make_gmem_tensor(k, s_k, d, h_k, kv_batch < 0 ? b : kv_batch),

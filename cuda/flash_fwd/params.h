@@ -53,6 +53,14 @@ struct FlashFwdParams {
   // r * num_splits + p (merged by the split-KV combine, cuda/decode/).
   bool qo_heads_major = false;
   int num_splits = 1;
+  // An e4m3 KV cache (decode steps, d <= 128: flash_fwd/fp8_cache.h): k and v (or their pools)
+  // are e4m3, and the key in slot j of batch row r (contiguous) or of page r (paged) of kv head
+  // kh is value * k_scales[(r * h_k + kh) * scale_blocks + min(j / scale_block,
+  // scale_blocks - 1)] (v likewise): one scale per scale_block slots. nullptr: a 16-bit cache.
+  const float* k_scales = nullptr;
+  const float* v_scales = nullptr;
+  int scale_block = 0;
+  int scale_blocks = 0;
 };
 
 // The device-side view of the scalars: the scale already folded into the log2 domain.

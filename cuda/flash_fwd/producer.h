@@ -26,6 +26,50 @@ namespace jax_fa3::fwd {
 
 using namespace cute;
 
+// The pool block holding logical K/V block n_block of batch row `batch` (the block itself
+// without pages). A page index outside the pool is clamped into it: no load leaves the pool (the
+// contract's "out-of-range pages are clamped when read").
+template <class Traits>
+__device__ __forceinline__ int kv_pool_block(const FlashFwdScalars& sc, int batch, int n_block) {
+  if constexpr (Traits::kKeyRanges) {
+    if (sc.kv_pages != nullptr) {
+      const int per_page = sc.blocks_per_page;
+      const int64_t entry = int64_t(batch) * sc.pages_per_seq + n_block / per_page;
+      const int page = min(max(__ldg(sc.kv_pages + entry), 0), sc.num_pages - 1);
+      return page * per_page + n_block % per_page;
+    }
+  }
+  return n_block;
+}
+
+// Slots of the e4m3 cache's staging ring (fp8_cache.h); 1 (unused) for every other kernel.
+template <class Traits, bool = Traits::kFp8Cache> struct NumCacheSlots {
+  static constexpr int value = 1;
+};
+template <class Traits> struct NumCacheSlots<Traits, true> {
+  static constexpr int value = Traits::kNumSlots;
+};
+
+// The e4m3 cache (fp8_cache.h): TMA of K or V block `pool_block` of kv head `kv_head` into the
+// next staging slot, once the converter has read the slot's previous block.
+template <class Traits, class Tma>
+__device__ __forceinline__ void load_cache_slot(Tma const& tma, typename Traits::SharedStorage& ss,
+                                                PipelineState<Traits::kNumSlots>& slot,
+                                                GmemShape const& shape, int kv_head, int kv_batch,
+                                                int pool_block) {
+  Tensor s_slots = make_tensor(make_smem_ptr(ss.slots.data()), typename Traits::SmemLayoutSlot{});
+  Tensor g_blocks = local_tile(tma.get_tma_tensor(shape)(_, _, kv_head, kv_batch),
+                               Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{},
+                               make_coord(_, _0{}));  // (N, D, n)
+  auto part = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s_slots),
+                            group_modes<0, 2>(g_blocks));
+  mbar_wait(&ss.slot_empty[slot.stage], slot.phase ^ 1);
+  mbar_arrive_expect_tx(&ss.slot_full[slot.stage], Traits::kTmaBytesSlot);
+  copy(tma.with(ss.slot_full[slot.stage]), get<0>(part)(_, pool_block),
+       get<1>(part)(_, slot.stage));
+  slot.advance();
+}
+
 template <class Traits>
 __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
                                              typename Traits::SharedStorage& ss) {
@@ -56,6 +100,8 @@ __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
   const int group = sc.h / sc.h_k;  // GQA: query heads per kv head
 
   PipelineState<Traits::kStages> kv;
+  [[maybe_unused]] PipelineState<NumCacheSlots<Traits>::value> slot;  // e4m3 cache only
+  [[maybe_unused]] const GmemShape kv_shape(kv_rows, sc.d, sc.h_k, kv_batches);
   uint32_t q_phase = 0;
   for (int index = blockIdx.x; index < num_work_items<Traits::kTailSplit>(p.scheduler);
        index += gridDim.x) {
@@ -64,20 +110,7 @@ __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
     const TileCoord c = work.tile;
     const int kv_head = c.head / group;
     const int kv_batch = paged ? 0 : c.batch;
-    // The pool block holding logical K/V block n_block (the block itself without pages). A page
-    // index outside the pool is clamped into it: no load leaves the pool (the contract's
-    // "out-of-range pages are clamped when read").
-    auto kv_block = [&](int n_block) {
-      if constexpr (Traits::kKeyRanges) {
-        if (paged) {
-          const int per_page = sc.blocks_per_page;
-          const int64_t entry = int64_t(c.batch) * sc.pages_per_seq + n_block / per_page;
-          const int page = min(max(__ldg(sc.kv_pages + entry), 0), sc.num_pages - 1);
-          return page * per_page + n_block % per_page;
-        }
-      }
-      return n_block;
-    };
+    auto kv_block = [&](int n_block) { return kv_pool_block<Traits>(sc, c.batch, n_block); };
     // A tail-split piece (fp8/tail_split.h) visits part of the tile's blocks; the low piece's top
     // blocks (>= max_only_from) feed only its row maxima and need no V.
     const BlockRange range = work.piece.visit;
@@ -108,11 +141,19 @@ __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
     auto tVsV = get<1>(v_part);
 
     auto load_k = [&](int n_block) {
+      if constexpr (Traits::kFp8Cache) {  // e4m3 into a slot; the converter fills the K stage
+        load_cache_slot<Traits>(p.tma_k8, ss, slot, kv_shape, kv_head, kv_batch, kv_block(n_block));
+        return;
+      }
       mbar_wait(&ss.k_empty[kv.stage], kv.phase ^ 1);
       mbar_arrive_expect_tx(&ss.k_full[kv.stage], Traits::kTmaBytesKV);
       copy(p.tma_k.with(ss.k_full[kv.stage]), tKgK(_, kv_block(n_block)), tKsK(_, kv.stage));
     };
     auto load_v = [&](int n_block) {
+      if constexpr (Traits::kFp8Cache) {
+        load_cache_slot<Traits>(p.tma_v8, ss, slot, kv_shape, kv_head, kv_batch, kv_block(n_block));
+        return;
+      }
       mbar_wait(&ss.v_empty[kv.stage], kv.phase ^ 1);
       if (Traits::kTailSplit && n_block >= work.piece.max_only_from) {
         // No V for a row-max-only block: a plain arrive completes the stage's phase, so the
