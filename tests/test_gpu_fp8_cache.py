@@ -25,6 +25,7 @@ from kernel_targets import (FLASH_FWD_DECODE, FLASH_FWD_DECODE_FP8_CACHE, FLASH_
                             FLASH_FWD_PAGED_DECODE_FP8_CACHE, compiled_text, kernel_targets,
                             run_on_kernels)
 from oracle import attention_oracle
+from paged_cache import shuffled_pages
 
 pytestmark = pytest.mark.gpu
 
@@ -40,18 +41,6 @@ def _normal(seed, shape, dtype=jnp.float32, scale=1.0):
 
 def _bits(x):
   return np.asarray(x).view(np.uint16)
-
-
-def _shuffled_pages(cache, page_size, seed, spare=3):
-  """The logical cache (b, capacity, h_k, d) as a shuffled pool of pages with its page table."""
-  b, capacity = cache.shape[:2]
-  per_row = capacity // page_size
-  rng = np.random.default_rng(seed)
-  num_pages = b * per_row + spare
-  table = rng.permutation(num_pages)[:b * per_row].reshape(b, per_row).astype(np.int32)
-  pool = np.array(_normal(seed, (num_pages, page_size) + cache.shape[2:]))
-  pool[table.reshape(-1)] = np.asarray(cache).reshape((b * per_row, page_size) + cache.shape[2:])
-  return jnp.asarray(pool), jnp.asarray(table)
 
 
 def _fp8_and_dequantized(cache, block, dtype):
@@ -76,8 +65,8 @@ def test_e4m3_cache_is_the_16bit_kernel_over_its_dequantized_values(d, capacity,
   k_cache, v_cache = _normal(2, (b, capacity, h_k, d), scale=3.0), _normal(3, (b, capacity, h_k, d))
   options = dict(num_splits=splits)
   if page is not None:
-    (k_cache, table), (v_cache, _) = (_shuffled_pages(k_cache, page, 4),
-                                      _shuffled_pages(v_cache, page, 4))
+    (k_cache, table), (v_cache, _) = (shuffled_pages(k_cache, page, 4),
+                                      shuffled_pages(v_cache, page, 4))
     options["page_table"] = table
   (k8, k_deq), (v8, v_deq) = (_fp8_and_dequantized(x, block, dtype) for x in (k_cache, v_cache))
   lengths = jnp.asarray([1, capacity, capacity // 2 + 7], jnp.int32)
@@ -164,7 +153,7 @@ def test_fp8_cache_handler_rejects_bad_calls_via_ffi_error():
                           num_splits=np.int32(1), scale_block=np.int32({block}))
   """
   for fields, expected in [
-      (dict(d=128, cache_dtype="jnp.bfloat16", scale_blocks=4, block=64), "k must have dtype"),
+      (dict(d=128, cache_dtype="jnp.bfloat16", scale_blocks=4, block=64), "k must be"),
       (dict(d=128, cache_dtype="jnp.float8_e4m3fn", scale_blocks=3, block=64), "k_scales"),
       (dict(d=256, cache_dtype="jnp.float8_e4m3fn", scale_blocks=4, block=64), "head dim"),
       (dict(d=128, cache_dtype="jnp.float8_e4m3fn", scale_blocks=4, block=0), "scale_block")]:

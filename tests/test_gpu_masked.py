@@ -34,6 +34,7 @@ from kernel_targets import (FLASH_BWD, FLASH_BWD_KEY_RANGES, FLASH_FWD, FLASH_FW
                             FLASH_FWD_PAGED_ROW_BOUNDS, FLASH_FWD_ROW_BOUNDS, compiled_text,
                             kernel_targets, run_on_kernels)
 from oracle import attention_oracle, attention_oracle_grads, padding_mask
+from paged_cache import shuffled_pages
 
 pytestmark = pytest.mark.gpu
 
@@ -281,19 +282,6 @@ def test_kv_cache_decode_reads_the_cache_in_place_on_the_masked_kernel(key_form)
     np.testing.assert_array_equal(_bits(out[r:r + 1]), _bits(np.asarray(want)), f"row {r}")
 
 
-def _shuffled_pages(cache, page_size, seed, spare=3):
-  """The logical cache (b, capacity, h_k, d) as a shuffled pool of pages with its page table."""
-  b, capacity = cache.shape[:2]
-  per_row = capacity // page_size
-  rng = np.random.default_rng(seed)
-  num_pages = b * per_row + spare
-  table = rng.permutation(num_pages)[:b * per_row].reshape(b, per_row).astype(np.int32)
-  pool = np.array(_normal(seed, (num_pages, page_size) + cache.shape[2:]))  # a writable copy
-  pages = np.asarray(cache).reshape((b * per_row, page_size) + cache.shape[2:])
-  pool[table.reshape(-1)] = pages
-  return jnp.asarray(pool), jnp.asarray(table)
-
-
 @pytest.mark.parametrize("page_size", [128, 256])
 @pytest.mark.parametrize("s_q,splits", [(1, 1), (1, 4), (4, 1)])
 def test_paged_cache_is_read_in_place_bit_for_bit(page_size, s_q, splits, key_form):
@@ -305,8 +293,8 @@ def test_paged_cache_is_read_in_place_bit_for_bit(page_size, s_q, splits, key_fo
   q = _normal(62, (b, s_q, h, d))
   skip_unless_compiled(q)
   lengths = jnp.asarray([1, 1000, 517], jnp.int32)
-  (k_pool, table), (v_pool, _) = (_shuffled_pages(k_cache, page_size, 63),
-                                  _shuffled_pages(v_cache, page_size, 63))
+  (k_pool, table), (v_pool, _) = (shuffled_pages(k_cache, page_size, 63),
+                                  shuffled_pages(v_cache, page_size, 63))
 
   def call(**layout):
     return jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
@@ -399,7 +387,7 @@ def test_decode_target_pieces_match_the_xla_pieces(d, paged, blocks):
     skip_unless_compiled(q)
     cfg = AttentionConfig(softmax_scale=d ** -0.5, window_left=window[0], window_right=window[1])
     if paged:
-      (k_pool, table), (v_pool, _) = _shuffled_pages(k, block, d), _shuffled_pages(v, block, d)
+      (k_pool, table), (v_pool, _) = shuffled_pages(k, block, d), shuffled_pages(v, block, d)
       args, target = (q, k_pool, v_pool, table, lengths), FLASH_FWD_PAGED_DECODE
     else:
       args, target = (q, k, v, lengths), FLASH_FWD_DECODE
@@ -451,7 +439,7 @@ def test_pages_smaller_than_the_key_block_are_gathered(key_form):
   k_cache, v_cache = _normal(80, (b, cap, h_k, d)), _normal(81, (b, cap, h_k, d))
   q = _normal(82, (b, 1, h, d))
   skip_unless_compiled(q)
-  (k_pool, table), (v_pool, _) = _shuffled_pages(k_cache, 64, 83), _shuffled_pages(v_cache, 64, 83)
+  (k_pool, table), (v_pool, _) = shuffled_pages(k_cache, 64, 83), shuffled_pages(v_cache, 64, 83)
   lengths = jnp.asarray([512, 100], jnp.int32)
   call = jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
       q, kc, vc, cache_seqlens=lengths, page_table=table, num_splits=1))

@@ -10,6 +10,7 @@
 
 #include "ffi/attention_dims.h"
 #include "ffi/ffi_common.h"
+#include "ffi/forward_binding.h"
 #include "ffi/handlers.h"
 #include "flash_fwd/dispatch.h"
 
@@ -321,19 +322,6 @@ ffi::Error flash_fwd_paged_decode(cudaStream_t stream, ffi::AnyBuffer q, ffi::An
 namespace jax_fa3 {
 namespace {
 
-// The forward handlers bind q, k, v (the key-range ones then key_ranges and key_covers, or
-// row_bounds, common/key_ranges.h; the paged ones then kv_pages), then these results and
-// attributes.
-template <class Binding>
-auto bind_fwd_results_and_attrs(Binding inputs) {
-  return std::move(inputs).template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Attr<float>("softmax_scale")
-      .template Attr<float>("softcap")
-      .template Attr<int32_t>("window_left")
-      .template Attr<int32_t>("window_right");
-}
-
 auto bind_qkv() {
   using ffi::AnyBuffer;
   return ffi_util::bind_on_stream().Arg<AnyBuffer>().Arg<AnyBuffer>().Arg<AnyBuffer>();
@@ -345,37 +333,37 @@ auto bind_qkv() {
 // Graph-capturable: no host synchronization, no allocation, no per-call host state (the TMA
 // descriptors travel inside the kernel parameters).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashFwd, jax_fa3::flash_fwd_whole,
-                              jax_fa3::bind_fwd_results_and_attrs(jax_fa3::bind_qkv()),
+                              jax_fa3::ffi_util::bind_fwd_results_and_attrs(jax_fa3::bind_qkv()),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFa3FlashFwdPaged, jax_fa3::flash_fwd_paged,
-    jax_fa3::bind_fwd_results_and_attrs(jax_fa3::bind_qkv()
+    jax_fa3::ffi_util::bind_fwd_results_and_attrs(jax_fa3::bind_qkv()
                                             .Arg<xla::ffi::AnyBuffer>()
                                             .Arg<xla::ffi::AnyBuffer>()
                                             .Arg<xla::ffi::AnyBuffer>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFa3FlashFwdPagedRowBounds, jax_fa3::flash_fwd_paged_row_bounds,
-    jax_fa3::bind_fwd_results_and_attrs(
+    jax_fa3::ffi_util::bind_fwd_results_and_attrs(
         jax_fa3::bind_qkv().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFa3FlashFwdRowBounds, jax_fa3::flash_fwd_row_bounds,
-    jax_fa3::bind_fwd_results_and_attrs(jax_fa3::bind_qkv().Arg<xla::ffi::AnyBuffer>()),
+    jax_fa3::ffi_util::bind_fwd_results_and_attrs(jax_fa3::bind_qkv().Arg<xla::ffi::AnyBuffer>()),
     {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFa3FlashFwdDecode, jax_fa3::flash_fwd_decode,
-    jax_fa3::bind_fwd_results_and_attrs(jax_fa3::bind_qkv().Arg<xla::ffi::AnyBuffer>())
+    jax_fa3::ffi_util::bind_fwd_results_and_attrs(jax_fa3::bind_qkv().Arg<xla::ffi::AnyBuffer>())
         .Attr<int32_t>("num_splits"),
     {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFa3FlashFwdPagedDecode, jax_fa3::flash_fwd_paged_decode,
-    jax_fa3::bind_fwd_results_and_attrs(
+    jax_fa3::ffi_util::bind_fwd_results_and_attrs(
         jax_fa3::bind_qkv().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>())
         .Attr<int32_t>("num_splits"),
     {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFa3FlashFwdKeyRanges, jax_fa3::flash_fwd_key_ranges,
-    jax_fa3::bind_fwd_results_and_attrs(
+    jax_fa3::ffi_util::bind_fwd_results_and_attrs(
         jax_fa3::bind_qkv().Arg<xla::ffi::AnyBuffer>().Arg<xla::ffi::AnyBuffer>()),
     {xla::ffi::Traits::kCmdBufferCompatible});

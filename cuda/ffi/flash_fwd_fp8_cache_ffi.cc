@@ -11,6 +11,7 @@
 #include "common/buckets.h"
 #include "ffi/attention_dims.h"
 #include "ffi/ffi_common.h"
+#include "ffi/forward_binding.h"
 #include "ffi/handlers.h"
 #include "flash_fwd/dispatch.h"
 
@@ -177,18 +178,6 @@ ffi::Error paged_decode_fp8_cache(cudaStream_t stream, ffi::AnyBuffer q, ffi::An
                           scale_block);
 }
 
-template <class Binding>
-auto bind_results_and_attrs(Binding inputs) {
-  return std::move(inputs).template Ret<ffi::AnyBuffer>()
-      .template Ret<ffi::Buffer<ffi::F32>>()
-      .template Attr<float>("softmax_scale")
-      .template Attr<float>("softcap")
-      .template Attr<int32_t>("window_left")
-      .template Attr<int32_t>("window_right")
-      .template Attr<int32_t>("num_splits")
-      .template Attr<int32_t>("scale_block");
-}
-
 // q, k, v, k_scales, v_scales, lengths.
 auto bind_operands() {
   using ffi::AnyBuffer;
@@ -200,10 +189,16 @@ auto bind_operands() {
 }  // namespace
 }  // namespace jax_fa3
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa3FlashFwdDecodeFp8Cache, jax_fa3::decode_fp8_cache,
-                              jax_fa3::bind_results_and_attrs(jax_fa3::bind_operands()),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxFa3FlashFwdDecodeFp8Cache, jax_fa3::decode_fp8_cache,
+    jax_fa3::ffi_util::bind_fwd_results_and_attrs(jax_fa3::bind_operands())
+        .Attr<int32_t>("num_splits")
+        .Attr<int32_t>("scale_block"),
+    {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxFa3FlashFwdPagedDecodeFp8Cache, jax_fa3::paged_decode_fp8_cache,
-    jax_fa3::bind_results_and_attrs(jax_fa3::bind_operands().Arg<xla::ffi::AnyBuffer>()),
+    jax_fa3::ffi_util::bind_fwd_results_and_attrs(
+        jax_fa3::bind_operands().Arg<xla::ffi::AnyBuffer>())
+        .Attr<int32_t>("num_splits")
+        .Attr<int32_t>("scale_block"),
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -51,6 +51,9 @@ struct Fp8CacheTraits : KernelTraits<kHeadDim_, Element_, true, BlockN<kHeadDim_
   static constexpr bool kFp8Cache = true;
   static constexpr int kConverterWarpGroup = 2;
   static constexpr int kNumConverterThreads = 128;
+  // The converter's setmaxnreg budget: its block's 16 loads (d128) in flight with their scales
+  // and products spilled 136 bytes at the launch's 168.
+  static constexpr int kConverterRegs = 240;
   static constexpr int kNumThreads = 384;  // producer, consumer, converter
   // e4m3 bytes of one K or V block; the slots are plain (keys, d) rows: a half-warp's 8-byte
   // reads cover one 128-byte row (d128), so they are free of bank conflicts.

@@ -77,8 +77,9 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (threadIdx.x == 0) run_producer<Traits>(params, ss);
   } else if (is_converter<Traits>(warp_group)) {
-    // Keeps the launch's 168 registers: 128 * (24 + 240 + 168) fits the 64K of the SM.
     if constexpr (Traits::kFp8Cache) {
+      // 128 * (24 + 240 + 240) = 64512 registers: what the producer frees pays for both raises.
+      cutlass::arch::warpgroup_reg_alloc<Traits::kConverterRegs>();
       run_cache_converter<Traits>(params, ss, threadIdx.x - 128 * Traits::kConverterWarpGroup);
     }
   } else {

@@ -60,6 +60,23 @@ inline int split_piece_keys(int s_k, int num_splits, int key_block) {
   return static_cast<int>((blocks + num_splits - 1) / num_splits * key_block);
 }
 
+// make_scalars plus the split-KV pieces (num_splits > 1) and a paged cache's pages, for a kernel
+// of `key_block`-key blocks.
+inline FlashFwdScalars make_piece_scalars(const FlashFwdParams& p, bool paged, int key_block) {
+  FlashFwdScalars scalars = make_scalars(p);
+  if (p.num_splits > 1) {
+    scalars.num_splits = p.num_splits;
+    scalars.split_keys = split_piece_keys(p.s_k, p.num_splits, key_block);
+  }
+  if (paged) {
+    scalars.kv_pages = p.kv_pages;
+    scalars.pages_per_seq = p.pages_per_seq;
+    scalars.blocks_per_page = p.page_size / key_block;
+    scalars.num_pages = p.num_pages;
+  }
+  return scalars;
+}
+
 template <class Traits>
 cudaError_t launch_traits(const FlashFwdParams& p, cudaStream_t stream) {
   using Element = typename Traits::Element;
@@ -92,17 +109,7 @@ cudaError_t launch_traits(const FlashFwdParams& p, cudaStream_t stream) {
   // Split-KV and heads-major q / o are for the key-range kernels (the handlers make sure).
   if ((p.num_splits != 1 || p.qo_heads_major) && !Traits::kKeyRanges) return cudaErrorInvalidValue;
   if (p.num_splits < 1) return cudaErrorInvalidValue;
-  FlashFwdScalars scalars = make_scalars(p);
-  if (p.num_splits > 1) {
-    scalars.num_splits = p.num_splits;
-    scalars.split_keys = split_piece_keys(p.s_k, p.num_splits, Traits::kBlockN);
-  }
-  if (paged) {
-    scalars.kv_pages = p.kv_pages;
-    scalars.pages_per_seq = p.pages_per_seq;
-    scalars.blocks_per_page = p.page_size / Traits::kBlockN;
-    scalars.num_pages = p.num_pages;
-  }
+  const FlashFwdScalars scalars = make_piece_scalars(p, paged, Traits::kBlockN);
   const Params params = make_kernel_params<Traits>(
       {}, q, k, make_gmem_tensor(v, s_k_desc, p.d, h_k_desc, b_k_desc), static_cast<Element*>(p.o),
       p.b, p.s_q, s_k_desc, p.h, h_k_desc, p.d, scalars, b_k_desc, p.qo_heads_major);
@@ -132,17 +139,7 @@ cudaError_t launch_fp8_cache(const FlashFwdParams& p, cudaStream_t stream) {
   const int s_k_desc = paged ? p.num_pages * p.page_size : p.s_k;
   const int b_k_desc = paged ? 1 : p.b;
 
-  FlashFwdScalars scalars = make_scalars(p);
-  if (p.num_splits > 1) {
-    scalars.num_splits = p.num_splits;
-    scalars.split_keys = split_piece_keys(p.s_k, p.num_splits, Traits::kBlockN);
-  }
-  if (paged) {
-    scalars.kv_pages = p.kv_pages;
-    scalars.pages_per_seq = p.pages_per_seq;
-    scalars.blocks_per_page = p.page_size / Traits::kBlockN;
-    scalars.num_pages = p.num_pages;
-  }
+  const FlashFwdScalars scalars = make_piece_scalars(p, paged, Traits::kBlockN);
   auto slot_tma = [&](const void* cache) {
     return make_tma_copy(SM90_TMA_LOAD{},
                          make_gmem_tensor(static_cast<const ElementCache*>(cache), s_k_desc, p.d,
