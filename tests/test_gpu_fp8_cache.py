@@ -86,8 +86,9 @@ def test_e4m3_cache_matches_the_float64_oracle():
   b, capacity, h, h_k, d, block = 4, 2048, 16, 2, 128, 64
   q = _normal(10, (b, 1, h, d), jnp.bfloat16)
   skip_unless_compiled(q)
+  # The oracle attends over what the kernel does: the values times their scales in bf16.
   (k8, k_deq), (v8, v_deq) = (_fp8_and_dequantized(_normal(s, (b, capacity, h_k, d)), block,
-                                                   jnp.float32) for s in (11, 12))
+                                                   jnp.bfloat16) for s in (11, 12))
   lengths = np.array([0, 1, 2048, 1300], np.int32)
   call = jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
       q, kc, vc, cache_seqlens=jnp.asarray(lengths), causal=True, return_lse=True, num_splits=4,
@@ -100,8 +101,9 @@ def test_e4m3_cache_matches_the_float64_oracle():
       assert np.all(np.isposinf(lse[r]))
       continue
     want_out, want_lse = attention_oracle(np.asarray(q[r:r + 1], np.float64),
-                                          np.asarray(k_deq[r:r + 1, :n]),
-                                          np.asarray(v_deq[r:r + 1, :n]), softmax_scale=d**-0.5)
+                                          np.asarray(k_deq[r:r + 1, :n], np.float64),
+                                          np.asarray(v_deq[r:r + 1, :n], np.float64),
+                                          softmax_scale=d**-0.5)
     np.testing.assert_allclose(out[r:r + 1], want_out, atol=1e-2 * np.abs(want_out).max(),
                                rtol=0, err_msg=f"row {r}")
     np.testing.assert_allclose(lse[r:r + 1], want_lse, atol=2e-3, rtol=0, err_msg=f"row {r}")
