@@ -81,6 +81,25 @@ def test_e4m3_cache_is_the_16bit_kernel_over_its_dequantized_values(d, capacity,
   np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
+@pytest.mark.parametrize("h,options", [(8, dict(softcap=30.0)),
+                                       (4, dict(window_size=(300, 0))),  # MHA: a left window
+                                       (8, dict(softmax_scale=0.05, num_splits=5))])
+def test_e4m3_cache_with_softcap_windows_and_scales(h, options):
+  # The same bit-for-bit check with the decode kernel's other options: softcap, a left window
+  # (decoded only without GQA), another softmax scale with an odd split.
+  b, capacity, h_k, d, block = 2, 1536, 4, 128, 64
+  q = _normal(40, (b, 1, h, d), jnp.bfloat16)
+  skip_unless_compiled(q)
+  (k8, k_deq), (v8, v_deq) = (_fp8_and_dequantized(_normal(s, (b, capacity, h_k, d)), block,
+                                                   jnp.bfloat16) for s in (41, 42))
+  lengths = jnp.asarray([1536, 777], jnp.int32)
+  call = lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
+      q, kc, vc, cache_seqlens=lengths, causal=True, **options)
+  got = run_on_kernels(jax.jit(call), q, k8, v8, expected={FLASH_FWD_DECODE_FP8_CACHE})
+  want = run_on_kernels(jax.jit(call), q, k_deq, v_deq, expected={FLASH_FWD_DECODE})
+  np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
 def test_e4m3_cache_matches_the_float64_oracle():
   # GQA 8:1, causal, a row of length 0 (out 0, lse +inf), the split's merge, return_lse.
   b, capacity, h, h_k, d, block = 4, 2048, 16, 2, 128, 64
