@@ -19,9 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_fa3 import _cache_attention, _ffi, _fp8_quantize, _local_attention, _partitioning
+from jax_fa3 import _cache_attention, _ffi, _local_attention, _partitioning
 from jax_fa3._batching import fold_vmap_into_batch
 from jax_fa3._config import AttentionConfig
+from jax_fa3.fp8 import dequantize_fp8
 
 DECODE_TARGET = "jax_fa3_flash_fwd_decode_fp8_cache"
 PAGED_DECODE_TARGET = "jax_fa3_flash_fwd_paged_decode_fp8_cache"
@@ -56,13 +57,6 @@ def applies(q, cache: Fp8Cache, cfg: AttentionConfig) -> bool:
   return not paged or cache.k.shape[1] % _local_attention.forward_key_block(d) == 0
 
 
-def dequantize(values, scales, block_size: int, dtype):
-  """(rows, slots, h_k, d) in `dtype`: each value times its block's scale in float32, rounded
-  once (what the kernels' converter writes)."""
-  per_slot = _fp8_quantize.per_token(scales, block_size, values.shape[1])
-  return (values.astype(jnp.float32) * per_slot).astype(dtype)
-
-
 def _kernel(n: int, cfg: AttentionConfig, block_size: int, paged: bool):
   """The e4m3 decode target over (q, k, v, k_scales, v_scales, lengths[, table]) for n pieces
   per row: out (b, n, h, d) in q's dtype and lse (b, n, h). vmap folds into the batch rows (a
@@ -87,8 +81,9 @@ def _kernel(n: int, cfg: AttentionConfig, block_size: int, paged: bool):
 def _xla(q, k, v, k_scales, v_scales, lengths, *table, n, cfg, block_size, paged):
   """The pieces with XLA ops: the cache dequantized (pages gathered), then the 16-bit decode's
   XLA pieces."""
-  keys = dequantize(k, k_scales, block_size, q.dtype)
-  values = dequantize(v, v_scales, block_size, q.dtype)
+  # (value.astype(float32) * scale).astype(q.dtype): what the kernels' converter writes.
+  keys = dequantize_fp8(k, k_scales, block_size=block_size, dtype=q.dtype)
+  values = dequantize_fp8(v, v_scales, block_size=block_size, dtype=q.dtype)
   if paged:
     keys = _local_attention.gather_pages(keys, table[0])
     values = _local_attention.gather_pages(values, table[0])
