@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "ffi/attention_dims.h"
+#include "ffi/decode_checks.h"
 #include "ffi/ffi_common.h"
 #include "ffi/forward_binding.h"
 #include "ffi/handlers.h"
@@ -20,15 +21,6 @@ namespace {
 namespace ffi = xla::ffi;
 using ffi_util::invalid;
 using ffi_util::shape_str;
-
-// The kernels of d's bucket and dtype are in this build.
-ffi::Error check_compiled(const char* op, int64_t d, DType dtype) {
-  const int bucket = head_dim_bucket(static_cast<int>(d));
-  if (kernel_compiled(bucket, dtype)) return ffi::Error::Success();
-  return invalid(op, ": no kernel compiled for head-dim bucket ", bucket, " (head dim ", d,
-                 ") and dtype ", dtype_name(dtype),
-                 "; rebuild with it in JAX_FA3_HEAD_DIMS / JAX_FA3_DTYPES");
-}
 
 // Which keys a masked call's rows see (common/key_ranges.h): per-query ranges and their covers,
 // per-row bounds, or (a decode step) per-row cache lengths; all null for whole rows.
@@ -48,9 +40,6 @@ struct Decode {
   bool on = false;
   int64_t num_splits = 1;
 };
-// Pieces per row: the kernel's scheduler counts b * h_k * num_splits tiles in int32 (and
-// splitting finer than a key block per piece only adds empty pieces).
-constexpr int64_t kMaxDecodeSplits = 1024;
 
 // The parameters every forward handler fills alike; a paged call adds its pages.
 FlashFwdParams forward_params(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
@@ -94,12 +83,8 @@ ffi::Error check_forward_call(const char* op, ffi::Result<ffi::AnyBuffer>& out,
                               int32_t window_left, int32_t window_right, const KeyOperands& keys,
                               const Decode& decode = {}) {
   if (decode.on) {
-    JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(
-        op, "out", *out, element_type, "shape (b, num_splits, h, d) =",
-        {a.b, decode.num_splits, a.h, a.d}));
-    JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_shape(op, "lse", "shape (b, num_splits, h) =",
-                                                      lse->dimensions(),
-                                                      {a.b, decode.num_splits, a.h}));
+    JAX_FA3_RETURN_IF_FFI_ERROR(
+        ffi_util::check_decode_results(op, out, lse, element_type, a, decode.num_splits));
   } else {
     JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(op, "out", *out, element_type,
                                                        "q's shape", {a.b, a.s_q, a.h, a.d}));
@@ -119,25 +104,14 @@ ffi::Error check_forward_call(const char* op, ffi::Result<ffi::AnyBuffer>& out,
     JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(op, "lengths", *keys.lengths,
                                                        ffi::DataType::S32, "shape (b,) =", {a.b}));
   }
-  return check_compiled(op, a.d, dtype);
+  return ffi_util::check_compiled(op, a.d, dtype);
 }
 
 // A decode call's q and split count (Decode above), checked before its results' shapes, which
 // they determine.
 ffi::Error check_decode(const char* op, const Decode& decode, const ffi_util::AttentionDims& a) {
   if (!decode.on) return ffi::Error::Success();
-  if (a.s_q != 1) {
-    return invalid(op, ": q must hold one query per row, shape (b, 1, h, d), got s_q=", a.s_q);
-  }
-  if (decode.num_splits < 1 || decode.num_splits > kMaxDecodeSplits) {
-    return invalid(op, ": num_splits must be in [1, ", kMaxDecodeSplits, "], got ",
-                   decode.num_splits);
-  }
-  if (a.b * a.h_k > ffi_util::kMaxQueryTiles / decode.num_splits) {
-    return invalid(op, ": b * h_k * num_splits must be at most 2^29 (tiles, counted in int32), "
-                   "got b=", a.b, ", h_k=", a.h_k, ", num_splits=", decode.num_splits);
-  }
-  return ffi::Error::Success();
+  return ffi_util::check_decode_query(op, a, decode.num_splits);
 }
 
 // The sizes as the kernel sees a decode call: the g = h / h_k query heads of a kv head are the

@@ -10,6 +10,7 @@
 
 #include "common/buckets.h"
 #include "ffi/attention_dims.h"
+#include "ffi/decode_checks.h"
 #include "ffi/ffi_common.h"
 #include "ffi/forward_binding.h"
 #include "ffi/handlers.h"
@@ -23,8 +24,7 @@ using ffi_util::invalid;
 using ffi_util::kAnyDim;
 using ffi_util::shape_str;
 
-constexpr int64_t kMaxDecodeSplits = 1024;  // as the 16-bit decode targets (flash_fwd_ffi.cc)
-constexpr int64_t kMaxHeadDim = 128;        // Fp8CacheTraits (flash_fwd/fp8_cache.h)
+constexpr int64_t kMaxHeadDim = 128;  // Fp8CacheTraits (flash_fwd/fp8_cache.h)
 
 struct CacheOperands {
   const ffi::AnyBuffer& k;
@@ -77,9 +77,7 @@ ffi::Error fp8_cache_decode(const char* op, cudaStream_t stream, const ffi::AnyB
     return invalid(op, ": q must be bfloat16 or float16, got ",
                    ffi_util::dtype_label(q.element_type()));
   }
-  if (a.s_q != 1) {
-    return invalid(op, ": q must hold one query per row, shape (b, 1, h, d), got s_q=", a.s_q);
-  }
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_decode_query(op, a, num_splits));
   if (a.d < 16 || a.d % 16 != 0 || a.d > kMaxHeadDim) {
     return invalid(op, ": head dim must be a multiple of 16 in [16, ", kMaxHeadDim,
                    "] for an e4m3 cache, got ", a.d);
@@ -97,25 +95,12 @@ ffi::Error fp8_cache_decode(const char* op, cudaStream_t stream, const ffi::AnyB
                                                      {kd[0], kd[2], scale_blocks}));
   JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(op, "lengths", lengths, ffi::DataType::S32,
                                                      "shape (b,) =", {a.b}));
-  if (num_splits < 1 || num_splits > kMaxDecodeSplits) {
-    return invalid(op, ": num_splits must be in [1, ", kMaxDecodeSplits, "], got ", num_splits);
-  }
-  if (a.b * a.h_k > ffi_util::kMaxQueryTiles / num_splits) {
-    return invalid(op, ": b * h_k * num_splits must be at most 2^29 (tiles, counted in int32), "
-                   "got b=", a.b, ", h_k=", a.h_k, ", num_splits=", num_splits);
-  }
-  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_buffer(op, "out", *out, q.element_type(),
-                                                     "shape (b, num_splits, h, d) =",
-                                                     {a.b, num_splits, a.h, a.d}));
-  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_shape(op, "lse", "shape (b, num_splits, h) =",
-                                                    lse->dimensions(), {a.b, num_splits, a.h}));
+  JAX_FA3_RETURN_IF_FFI_ERROR(
+      ffi_util::check_decode_results(op, out, lse, q.element_type(), a, num_splits));
   JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_attention_scalars(op, softmax_scale, softcap,
                                                                 window_left, window_right));
+  JAX_FA3_RETURN_IF_FFI_ERROR(ffi_util::check_compiled(op, a.d, *dtype));
   const int bucket = head_dim_bucket(static_cast<int>(a.d));
-  if (!kernel_compiled(bucket, *dtype)) {
-    return invalid(op, ": no kernel compiled for head-dim bucket ", bucket, " and dtype ",
-                   dtype_name(*dtype), "; rebuild with it in JAX_FA3_HEAD_DIMS / JAX_FA3_DTYPES");
-  }
   if (paged && row_length % forward_key_block(bucket) != 0) {
     return invalid(op, ": page_size must be a multiple of ", forward_key_block(bucket),
                    " (the kernel's key block at head dim ", a.d, "), got ", row_length);
