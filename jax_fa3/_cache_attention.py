@@ -27,8 +27,9 @@ reference computes the same split and merge as the kernels.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -290,101 +291,136 @@ def _decode_pieces_xla(q, keys, values, lengths, cfg: AttentionConfig, n: int, k
   return out.reshape(b, n, h, d), lse.reshape(b, n, h)
 
 
-def _decode_kernel(n: int, cfg: AttentionConfig, paged: bool):
-  """The decode target's call over (q, k, v, lengths), or (q, k_pool, v_pool, table, lengths)
-  with `paged`, for n pieces per row; vmap folds into the batch rows (a vmapped pool: each lane's
-  pages gathered onto the contiguous target). The kernel takes the lengths as they are: a row's
-  bounds in the grouped view (its g query heads as the tile's rows, all sharing the diagonal
-  length - 1) are made in the kernel."""
+@dataclasses.dataclass(frozen=True)
+class DecodeTarget:
+  """A decode kernel target and what its decode op needs around it. Its operands are q, the
+  cache arrays (`cache_roles`, their partitioning roles), the lengths int32 (b,) and, when
+  `paged`, the page table int32 (b, pages_per_seq); its results the pieces (b, n, h, d) in q's
+  dtype and their lse (b, n, h). `dense(dtype, table, *cache)` is the cache as contiguous
+  (b, capacity, h_k, d) keys and values in `dtype` (pages gathered, e4m3 dequantized): what the
+  XLA pieces attend, and, for a vmapped pool, what the contiguous 16-bit target reads."""
+  name: str
+  paged: bool
+  cache_roles: tuple
+  dense: Callable
+  attrs: tuple = ()  # more static attributes: (name, int32 value) pairs
+
+  @property
+  def op_name(self) -> str:
+    return self.name.removeprefix("jax_fa3_")
+
+  def capacity(self, cache, table) -> int:
+    return table.shape[1] * cache[0].shape[1] if self.paged else cache[0].shape[1]
+
+
+def _split_operands(target: DecodeTarget, rest):
+  """(cache arrays, lengths, table or None) of the operands after q."""
+  if target.paged:
+    *cache, lengths, table = rest
+    return cache, lengths, table
+  *cache, lengths = rest
+  return cache, lengths, None
+
+
+def _contiguous_cache(dtype, table, k, v):
+  return k, v
+
+
+def _gathered_pages(dtype, table, k_pool, v_pool):
+  return (_local_attention.gather_pages(k_pool, table),
+          _local_attention.gather_pages(v_pool, table))
+
+
+DECODE = DecodeTarget(DECODE_TARGET, False, ("kv", "kv"), _contiguous_cache)
+PAGED_DECODE = DecodeTarget(PAGED_DECODE_TARGET, True, ("pool", "pool"), _gathered_pages)
+
+
+def _decode_kernel(target: DecodeTarget, n: int, cfg: AttentionConfig):
+  """The target's call for n pieces per row; vmap folds into the batch rows (a vmapped pool:
+  each lane's cache made dense onto the contiguous 16-bit target). The kernel takes the lengths
+  as they are: a row's bounds in the grouped view (its g query heads as the tile's rows, all
+  sharing the diagonal length - 1) are made in the kernel."""
   def call(q, *rest):
-    *cache, lengths = rest
     b, _, h, d = q.shape
-    lengths = lengths.astype(jnp.int32)
-    if paged:
-      k_pool, v_pool, table = cache
-      operands = (q, k_pool, v_pool, lengths, table.astype(jnp.int32))
-    else:
-      operands = (q, *cache, lengths)
     results = (jax.ShapeDtypeStruct((b, n, h, d), q.dtype),
                jax.ShapeDtypeStruct((b, n, h), jnp.float32))
-    return tuple(_ffi.call(PAGED_DECODE_TARGET if paged else DECODE_TARGET, results, *operands,
-                           num_splits=np.int32(n), **_local_attention.window_attrs(cfg)))
+    attrs = {name: np.int32(value) for name, value in target.attrs}
+    return tuple(_ffi.call(target.name, results, q, *rest, num_splits=np.int32(n), **attrs,
+                           **_local_attention.window_attrs(cfg)))
 
-  if not paged:
+  if not target.paged:
     return fold_vmap_into_batch(call)
-  contiguous = _decode_kernel(n, cfg, False)
+  contiguous = _decode_kernel(DECODE, n, cfg)
 
-  def gathered(q, k_pool, v_pool, table, lengths):
-    return contiguous(q, _local_attention.gather_pages(k_pool, table),
-                      _local_attention.gather_pages(v_pool, table), lengths)
+  def dense(q, *rest):
+    cache, lengths, table = _split_operands(target, rest)
+    return contiguous(q, *target.dense(q.dtype, table, *cache), lengths)
 
-  return fold_vmap_into_batch(call, has_batch=(True, False, False, True, True),
-                              unfolded=gathered)
+  has_batch = (True,) + (False,) * len(target.cache_roles) + (True, True)
+  return fold_vmap_into_batch(call, has_batch=has_batch, unfolded=dense)
 
 
-def _decode_local(n: int, paged: bool):
-  """One device's decode step over (q, k, v, lengths), or (q, k_pool, v_pool, table, lengths)
-  for a paged cache read in place: the decode target where the kernels run, else
-  _decode_pieces_xla (the pages gathered first)."""
-  target = PAGED_DECODE_TARGET if paged else DECODE_TARGET
-
+def _decode_local(target: DecodeTarget, n: int):
+  """One device's decode step over (q, *cache, lengths[, table]): the target where the kernels
+  run, else _decode_pieces_xla over the dense cache."""
   def local(*arrays_and_cfg):
     *arrays, cfg = arrays_and_cfg
     q = arrays[0]
     key_block = _local_attention.forward_key_block(q.shape[-1])
 
     def xla(q, *rest):
-      *cache, lengths = rest
-      if paged:
-        k_pool, v_pool, table = cache
-        cache = (_local_attention.gather_pages(k_pool, table),
-                 _local_attention.gather_pages(v_pool, table))
-      return _decode_pieces_xla(q, *cache, lengths, cfg, n, key_block)
+      cache, lengths, table = _split_operands(target, rest)
+      return _decode_pieces_xla(q, *target.dense(q.dtype, table, *cache), lengths, cfg, n,
+                                key_block)
 
-    if not _local_attention.use_decode_kernel(target, q):
+    if not _local_attention.use_decode_kernel(target.name, q):
       return xla(*arrays)
-    s_k = arrays[3].shape[1] * arrays[1].shape[1] if paged else arrays[1].shape[1]
-    _ffi.check_kernel_sizes(q.shape, (q.shape[0], s_k) + arrays[1].shape[2:])
-    return jax.lax.platform_dependent(*arrays, cuda=_decode_kernel(n, cfg, paged), default=xla)
+    cache, _, table = _split_operands(target, arrays[1:])
+    s_k = target.capacity(cache, table)
+    _ffi.check_kernel_sizes(q.shape, (q.shape[0], s_k) + cache[0].shape[2:])
+    return jax.lax.platform_dependent(*arrays, cuda=_decode_kernel(target, n, cfg), default=xla)
 
   return local
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_op(n: int, paged: bool) -> _partitioning.AttentionOp:
+def _decode_op(target: DecodeTarget, n: int) -> _partitioning.AttentionOp:
   """The decode step as a partitioned op: batch rows and heads stay on their devices, a row's
   pieces together; a paged cache's pools are split by heads only (any row may read any page)."""
-  cache = ("pool", "pool", "table") if paged else ("kv", "kv")
-  return _partitioning.AttentionOp(
-      "flash_fwd_paged_decode" if paged else "flash_fwd_decode",
-      ("q",) + cache + ("lens",), ("pieces", "piece_rows"), _decode_local(n, paged),
-      split_queries=False)
+  roles = ("q",) + target.cache_roles + ("lens",) + (("table",) if target.paged else ())
+  return _partitioning.AttentionOp(target.op_name, roles, ("pieces", "piece_rows"),
+                                   _decode_local(target, n), split_queries=False)
 
 
-def _decode(q, keys, values, lengths, cfg: AttentionConfig, return_lse: bool,
-            requested_splits: int):
-  """`attend` for a decode step (`decode_applies`): the decode op's pieces, merged. The
-  lengths go to the kernels unclamped (they clamp them to [0, capacity]), and to the XLA pieces
-  clamped."""
+def decode_step(target: DecodeTarget, q, cache, lengths, table, cfg: AttentionConfig,
+                return_lse: bool, requested_splits: int, on_kernels: bool):
+  """out (b, 1, h, d) in q's dtype (and lse (b, h, 1) with return_lse) of a decode step on
+  `target` over its cache arrays: the decode op's pieces, merged. The lengths go to the kernels
+  unclamped (they clamp them to [0, capacity]), and to the XLA pieces clamped."""
   b, _, h, d = q.shape
-  paged = isinstance(keys, Pages)
-  if paged:
-    capacity, h_k = keys.table.shape[1] * keys.page_size, keys.k_pool.shape[2]
-    cache = (keys.k_pool, keys.v_pool, keys.table)
-  else:
-    capacity, h_k = keys.shape[1], keys.shape[2]
-    cache = (keys, values)
   key_block = _local_attention.forward_key_block(d)
-  target = PAGED_DECODE_TARGET if paged else DECODE_TARGET
-  on_kernels = _local_attention.masked_kernels_would_run(q) and _ffi.has_target(target)
-  n = decode_splits(requested_splits, b, h_k, capacity, key_block, on_kernels)
-  lengths = jnp.asarray(lengths, jnp.int32)
-  out, lse = _partitioning.call_partitioned(_decode_op(n, paged), (q, *cache, lengths), cfg)
+  n = decode_splits(requested_splits, b, cache[0].shape[2], target.capacity(cache, table),
+                    key_block, on_kernels)
+  operands = (q, *cache, jnp.asarray(lengths, jnp.int32))
+  if target.paged:
+    operands += (table.astype(jnp.int32),)
+  out, lse = _partitioning.call_partitioned(_decode_op(target, n), operands, cfg)
   if n > 1:
     out, lse = _merge(out.reshape(b * n, 1, h, d), lse.reshape(b * n, h, 1), b, n, q.dtype)
   else:
     out, lse = out.reshape(b, 1, h, d), lse.reshape(b, h, 1)
   return (out, lse) if return_lse else out
+
+
+def _decode(q, keys, values, lengths, cfg: AttentionConfig, return_lse: bool,
+            requested_splits: int):
+  """`attend` for a decode step (`decode_applies`) over a contiguous cache or `Pages`."""
+  paged = isinstance(keys, Pages)
+  target = PAGED_DECODE if paged else DECODE
+  cache, table = ((keys.k_pool, keys.v_pool), keys.table) if paged else ((keys, values), None)
+  on_kernels = _local_attention.masked_kernels_would_run(q) and _ffi.has_target(target.name)
+  return decode_step(target, q, cache, lengths, table, cfg, return_lse, requested_splits,
+                     on_kernels)
 
 
 def _forward_paged_local(q, k_pool, v_pool, table, *masks_and_cfg):

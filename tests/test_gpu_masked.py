@@ -388,12 +388,13 @@ def test_decode_target_pieces_match_the_xla_pieces(d, paged, blocks):
     cfg = AttentionConfig(softmax_scale=d ** -0.5, window_left=window[0], window_right=window[1])
     if paged:
       (k_pool, table), (v_pool, _) = shuffled_pages(k, block, d), shuffled_pages(v, block, d)
-      args, target = (q, k_pool, v_pool, table, lengths), FLASH_FWD_PAGED_DECODE
+      args, target = (q, k_pool, v_pool, lengths, table), FLASH_FWD_PAGED_DECODE
     else:
       args, target = (q, k, v, lengths), FLASH_FWD_DECODE
     f32 = lambda x: x.astype(jnp.float32)
     for n in splits:
-      local = _cache_attention._decode_local(n, paged)
+      local = _cache_attention._decode_local(
+          _cache_attention.PAGED_DECODE if paged else _cache_attention.DECODE, n)
       got_out, got_lse = run_on_kernels(jax.jit(lambda *a: local(*a, cfg)), *args,
                                         expected={target})
       want_out, want_lse = jax.jit(lambda q, k, v: _cache_attention._decode_pieces_xla(

@@ -79,8 +79,8 @@ def _record_decode_ops(monkeypatch) -> list:
   from jax_fa3 import _cache_attention  # noqa: PLC0415
   built, decode_op = [], _cache_attention._decode_op
   monkeypatch.setattr(_cache_attention, "_decode_op",
-                      lambda n, on_pages: built.append((n, on_pages)) or dataclasses.replace(
-                          decode_op(n, on_pages)))
+                      lambda target, n: built.append((n, target.paged)) or dataclasses.replace(
+                          decode_op(target, n)))
   return built
 
 
