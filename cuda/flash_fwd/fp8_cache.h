@@ -69,11 +69,12 @@ struct Fp8CacheTraits : KernelTraits<kHeadDim_, Element_, true, BlockN<kHeadDim_
     alignas(1024) cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutV>, 1024> v;
     alignas(1024) cute::array_aligned<Element, Base::kOBufferElems, 1024> o;
     alignas(128) cute::array_aligned<ElementCache, kNumSlots * kSlotBytes, 128> slots;
-    // The scale of each key row of the block being converted, double-buffered (run_cache_converter).
-    float row_scales[2][kBlockN];
+    // The K and V scale of each key row of the block being converted, double-buffered
+    // (run_cache_converter).
+    float row_scales[2][2][kBlockN];
     JAX_FA3_FWD_PIPELINE_BARRIERS(kStages)
     uint64_t slot_full[kNumSlots];   // 1 + tx: the producer's TMA of one e4m3 block
-    uint64_t slot_empty[kNumSlots];  // kNumConverterThreads: each converter thread read its part
+    uint64_t slot_empty[kNumSlots];  // 1: the converter's thread 0, once all its threads read it
   };
   __device__ __forceinline__ static Element* o_smem(SharedStorage& ss) {
     if constexpr (Base::kEarlyQRelease) {
@@ -139,14 +140,46 @@ __device__ __forceinline__ void convert_slot(const uint8_t* slot,
   }
 }
 
+// The rows of a block whose scales one converter thread fetches: rows t, t + 128, ...
+template <class Traits>
+constexpr int kScaleRowsPerThread =
+    (Traits::kBlockN + Traits::kNumConverterThreads - 1) / Traits::kNumConverterThreads;
+
+// This thread's rows' K and V scales of logical block n_block of the tile (batch, kv head): those
+// of its page (paged) or batch row, from the block's first slot.
+template <class Traits>
+__device__ __forceinline__ void load_block_scales(KernelParams<Traits> const& p, int batch,
+                                                  int kv_head, int n_block, int thread,
+                                                  float (&k_scale)[kScaleRowsPerThread<Traits>],
+                                                  float (&v_scale)[kScaleRowsPerThread<Traits>]) {
+  const FlashFwdScalars& sc = p.s;
+  const int pool = kv_pool_block<Traits>(sc, batch, n_block);
+  const bool paged = sc.kv_pages != nullptr;
+  const int page = paged ? pool / sc.blocks_per_page : batch;
+  const int first_slot = (paged ? pool % sc.blocks_per_page : n_block) * Traits::kBlockN;
+  const int64_t scale_row = (int64_t(page) * sc.h_k + kv_head) * p.scale_blocks;
+#pragma unroll
+  for (int i = 0; i < kScaleRowsPerThread<Traits>; ++i) {
+    const int row = thread + i * Traits::kNumConverterThreads;
+    const int block = min((first_slot + min(row, Traits::kBlockN - 1)) / p.scale_block,
+                          p.scale_blocks - 1);
+    k_scale[i] = __ldg(p.k_scales + scale_row + block);
+    v_scale[i] = __ldg(p.v_scales + scale_row + block);
+  }
+}
+
 // The converter warpgroup: walks the work items and K/V blocks exactly as the producer and the
 // consumer do (n_max - 1 down to n_min; K then V), so the slot ring and the stage ring advance
-// alike on all three sides.
+// alike on all three sides. Each thread fetches its rows' scales of the next block of the tile
+// while this block converts (their global-memory latency, ~1 us, was otherwise paid twice a
+// block), publishes them in shared memory at the block's start, and every thread reads a row's
+// scale from there (the rows a thread converts are not a fixed stride apart at every d).
 template <class Traits>
 __device__ __forceinline__ void run_cache_converter(KernelParams<Traits> const& p,
                                                     typename Traits::SharedStorage& ss,
                                                     int thread) {
   constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kRows = kScaleRowsPerThread<Traits>;
   const FlashFwdScalars& sc = p.s;
   const int group = sc.h / sc.h_k;
   PipelineState<Traits::kStages> kv;
@@ -158,39 +191,48 @@ __device__ __forceinline__ void run_cache_converter(KernelParams<Traits> const& 
     const TileCoord c = work.tile;
     const int kv_head = c.head / group;
     const BlockRange range = work.piece.visit;
+    float k_scale[kRows], v_scale[kRows];
+    if (range.n_max > range.n_min) {
+      load_block_scales(p, c.batch, kv_head, range.n_max - 1, thread, k_scale, v_scale);
+    }
     for (int n_block = range.n_max - 1; n_block >= range.n_min; --n_block) {
-      // The block's scales: those of its page (paged) or batch row, kv head, from its first slot.
-      const int pool = kv_pool_block<Traits>(sc, c.batch, n_block);
-      const bool paged = sc.kv_pages != nullptr;
-      const int page = paged ? pool / sc.blocks_per_page : c.batch;
-      const int first_slot = (paged ? pool % sc.blocks_per_page : n_block) * kBlockN;
-      const int64_t scale_row = (int64_t(page) * sc.h_k + kv_head) * p.scale_blocks;
-      auto convert = [&](const float* scales, uint64_t* full, uint64_t* empty,
-                         typename Traits::Element* stages) {
-        // Each key row's scale into shared memory first, one division a row (the rows a thread
-        // converts are not a fixed stride apart at every d), while the slot's bytes are in
-        // flight. The buffer alternates: a thread refills one only after the barrier that
-        // followed everyone's last read of it.
-        float* row_scale = ss.row_scales[scale_buffer];
-        for (int row = thread; row < kBlockN; row += Traits::kNumConverterThreads) {
-          const int block = min((first_slot + row) / p.scale_block, p.scale_blocks - 1);
-          row_scale[row] = __ldg(scales + scale_row + block);
+      // Publish this block's scales; the buffer alternates, and a thread refills one only after
+      // the barrier that followed everyone's last read of it.
+      float* k_rows = ss.row_scales[scale_buffer][0];
+      float* v_rows = ss.row_scales[scale_buffer][1];
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        const int row = thread + i * Traits::kNumConverterThreads;
+        if (row < kBlockN) {
+          k_rows[row] = k_scale[i];
+          v_rows[row] = v_scale[i];
         }
-        named_barrier_sync(kBarrierConverter, Traits::kNumConverterThreads);
-        scale_buffer ^= 1;
+      }
+      named_barrier_sync(kBarrierConverter, Traits::kNumConverterThreads);
+      scale_buffer ^= 1;
+      if (n_block > range.n_min) {
+        load_block_scales(p, c.batch, kv_head, n_block - 1, thread, k_scale, v_scale);
+      }
+      auto convert = [&](const float* row_scale, uint64_t* full, uint64_t* empty,
+                         typename Traits::Element* stages) {
         mbar_wait(&ss.slot_full[slot.stage], slot.phase);
         mbar_wait(empty, kv.phase ^ 1);
         convert_slot<Traits>(reinterpret_cast<const uint8_t*>(ss.slots.data()) +
                                  slot.stage * Traits::kSlotBytes,
                              stages, kv.stage, thread, [&](int row) { return row_scale[row]; });
-        // Generic-proxy stores, read by wgmma (async proxy) once the consumer saw `full`.
+        // Generic-proxy stores, read by wgmma (async proxy) once the consumer saw `full`: every
+        // thread fences its own, the warpgroup meets, one thread arrives for all (128 arrivals
+        // on each of two mbarriers per tensor and block were as many shared-memory atomics).
         cutlass::arch::fence_view_async_shared();
-        mbar_arrive(full);
-        mbar_arrive(&ss.slot_empty[slot.stage]);
+        named_barrier_sync(kBarrierConverter, Traits::kNumConverterThreads);
+        if (thread == 0) {
+          mbar_arrive(full);
+          mbar_arrive(&ss.slot_empty[slot.stage]);
+        }
         slot.advance();
       };
-      convert(p.k_scales, &ss.k_full[kv.stage], &ss.k_empty[kv.stage], ss.k.data());
-      convert(p.v_scales, &ss.v_full[kv.stage], &ss.v_empty[kv.stage], ss.v.data());
+      convert(k_rows, &ss.k_full[kv.stage], &ss.k_empty[kv.stage], ss.k.data());
+      convert(v_rows, &ss.v_full[kv.stage], &ss.v_empty[kv.stage], ss.v.data());
       kv.advance();
     }
   }

@@ -21,14 +21,6 @@ __device__ __forceinline__ bool is_converter(int warp_group) {
     return false;
   }
 }
-template <class Traits>
-constexpr uint32_t converter_threads() {
-  if constexpr (Traits::kFp8Cache) {
-    return Traits::kNumConverterThreads;
-  } else {
-    return 1;
-  }
-}
 
 // __launch_bounds__(threads, 1) caps registers at entry (65536 / 384 -> 168), which setmaxnreg
 // needs; the producer then gives registers back and the consumers raise theirs to 240.
@@ -45,13 +37,12 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     // so (KernelParams::early_q_release), else by consumer thread 0 once the TMA store of O has
     // read it (consumer.h).
     mbar_init(&ss.q_empty, params.early_q_release() ? Traits::kNumConsumerThreads / 32 : 1);
-    // The e4m3 cache's stages are filled by the converter's threads, each arriving once
-    // (fp8_cache.h); every other kernel's by one TMA (1 + tx).
-    constexpr uint32_t kFillArrivals = converter_threads<Traits>();
+    // One arrival fills a stage: the TMA's (1 + tx), or the e4m3 cache's converter thread 0 for
+    // its warpgroup (fp8_cache.h).
 #pragma unroll
     for (int s = 0; s < Traits::kStages; ++s) {
-      mbar_init(&ss.k_full[s], kFillArrivals);
-      mbar_init(&ss.v_full[s], kFillArrivals);
+      mbar_init(&ss.k_full[s], 1);
+      mbar_init(&ss.v_full[s], 1);
       mbar_init(&ss.k_empty[s], Traits::kNumConsumerThreads / 32);
       mbar_init(&ss.v_empty[s], Traits::kNumConsumerThreads / 32);
     }
@@ -59,7 +50,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
 #pragma unroll
       for (int s = 0; s < Traits::kNumSlots; ++s) {
         mbar_init(&ss.slot_full[s], 1);
-        mbar_init(&ss.slot_empty[s], Traits::kNumConverterThreads);
+        mbar_init(&ss.slot_empty[s], 1);
       }
     }
     cutlass::arch::fence_barrier_init();
