@@ -1,5 +1,6 @@
-// Host side of one (head-dim bucket, dtype), 16-bit or fp8: zero the workspace, preprocess (16-bit),
-// build the TMA descriptors, launch the main kernel, postprocess. Every CUDA call is checked.
+// Host side of one (head-dim bucket, dtype), 16-bit or fp8: zero the workspace (16-bit: in the
+// preprocess), build the TMA descriptors, launch the main kernel, postprocess. Every CUDA call is
+// checked.
 #pragma once
 #include "common/cute_config.h"  // first: before any CuTe header
 #include <cmath>
@@ -42,17 +43,20 @@ inline bool all_aligned16(std::initializer_list<const void*> ptrs) {
   return true;
 }
 
-// Zeroes the fp32 dQ accumulator (and the deterministic semaphores).
+// Zeroes the deterministic mode's semaphores (one per (b, h, Q block)).
+inline cudaError_t zero_semaphores(const FlashBwdParams& p, int num_m_blocks, cudaStream_t stream) {
+  if (!p.deterministic) return cudaSuccess;
+  return cudaMemsetAsync(p.semaphores, 0, sizeof(int) * size_t(p.b) * p.h * num_m_blocks, stream);
+}
+
+// Zeroes the fp32 dQ accumulator and the semaphores (the fp8 backward, which has no preprocess:
+// the 16-bit one zeroes the accumulator in its preprocess).
 template <typename Traits>
 cudaError_t zero_dq_workspace(const FlashBwdParams& p, int num_m_blocks, cudaStream_t stream) {
   JAX_FA3_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
       p.dq_accum, 0, sizeof(float) * size_t(p.b) * p.h * num_m_blocks * Traits::kDqChunkFloats,
       stream));
-  if (p.deterministic) {
-    JAX_FA3_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
-        p.semaphores, 0, sizeof(int) * size_t(p.b) * p.h * num_m_blocks, stream));
-  }
-  return cudaSuccess;
+  return zero_semaphores(p, num_m_blocks, stream);
 }
 
 // The (seqlen, d, heads, batch) view of a contiguous (b, s, h, d) array.
@@ -162,8 +166,8 @@ cudaError_t run_flash_bwd_traits(const FlashBwdParams& p, cudaStream_t stream) {
   // Grid limits: main kernel (n blocks, h_k, b), postprocess (m blocks, h, b).
   if (p.h > 65535 || p.b > 65535) return cudaErrorInvalidValue;
 
-  // 1. Zero the fp32 dQ accumulator (and the semaphores), then D and LSE*log2(e).
-  JAX_FA3_RETURN_IF_CUDA_ERROR(zero_dq_workspace<Traits>(p, num_m_blocks, stream));
+  // 1. D and LSE*log2(e), zeroing the fp32 dQ accumulator on the way (the semaphores by a memset).
+  JAX_FA3_RETURN_IF_CUDA_ERROR(zero_semaphores(p, num_m_blocks, stream));
   {
     const int64_t rows = int64_t(p.b) * p.h * s_q_pad;
     const int lanes = preprocess_lanes_per_row(p.d);
@@ -175,7 +179,7 @@ cudaError_t run_flash_bwd_traits(const FlashBwdParams& p, cudaStream_t stream) {
                                     : flash_bwd_preprocess_kernel<Element, 32>;
     preprocess<<<static_cast<unsigned>(blocks), kPreprocessThreads, 0, stream>>>(
         static_cast<const Element*>(p.out), static_cast<const Element*>(p.dout), p.lse,
-        p.lse_log2, p.dpsum, p.b, p.s_q, p.h, p.d, s_q_pad);
+        p.lse_log2, p.dpsum, p.dq_accum, kHeadDim, p.b, p.s_q, p.h, p.d, s_q_pad);
     JAX_FA3_RETURN_IF_LAUNCH_ERROR();
   }
 

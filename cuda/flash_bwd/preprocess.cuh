@@ -1,6 +1,10 @@
 // Backward preprocess: per (batch, head, query row) D = rowsum(dO * O) in fp32 and LSE in the log2
 // domain, both padded to a whole number of Q blocks (D = 0, LSE = +inf in the padding, so padded
-// rows get P = 0 and dS = 0 without a special case). kLanes lanes per row, 16-byte loads: 8 at
+// rows get P = 0 and dS = 0 without a special case), and the row's share of the fp32 dQ
+// accumulator zeroed: the workspace's Q-block chunks of kBlockM rows x bucket floats, in (b, h,
+// Q block) order, are `bucket` floats per preprocess row in row order, whatever the fragment order
+// inside a chunk (traits.cuh, dq_slot), so row r zeroes floats [r * bucket, (r + 1) * bucket).
+// One pass instead of a memset and this kernel (FlashAttention-3 does the same). kLanes lanes per row, 16-byte loads: 8 at
 // d <= 64, 16 at d <= 128, 32 above, so that no lane idles at d = 64, 128 (a warp per row left
 // half or three quarters of them without a load, fewer bytes in flight per warp).
 #pragma once
@@ -19,8 +23,8 @@ template <typename Element, int kLanes>
 __global__ void __launch_bounds__(kPreprocessThreads)
     flash_bwd_preprocess_kernel(const Element* __restrict__ out, const Element* __restrict__ dout,
                                 const float* __restrict__ lse, float* __restrict__ lse_log2,
-                                float* __restrict__ dpsum, int b, int s_q, int h, int d,
-                                int s_q_pad) {
+                                float* __restrict__ dpsum, float* __restrict__ dq_accum,
+                                int bucket, int b, int s_q, int h, int d, int s_q_pad) {
   constexpr int kRowsPerBlock = kPreprocessThreads / kLanes;
   const int lane = threadIdx.x % kLanes;
   const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kLanes;
@@ -50,6 +54,10 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   if (in_range && lane == 0) {
     dpsum[row] = acc;
     lse_log2[row] = l;
+  }
+  if (in_range) {
+    float4* zero_row = reinterpret_cast<float4*>(dq_accum + row * bucket);
+    for (int c = lane; c < bucket / 4; c += kLanes) zero_row[c] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
 }
 
