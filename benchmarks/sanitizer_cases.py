@@ -18,7 +18,9 @@ call from floats (`flash_attention_fp8`: v quantized straight into the kernel's 
 same call's pure-JAX emulation on the CPU. --decode adds decode steps over a KV cache (the decode
 targets: q read heads-major, split-KV pieces of whole key blocks, empty ones included, then the
 combine), contiguous and paged, GQA causal and MHA with a left window, checked against the same
-call on float32 inputs (the pure-JAX path).
+call on float32 inputs (the pure-JAX path), and at d <= 128 the same step over the cache
+quantized to e4m3 (the e4m3 decode targets) against the bf16 call over its dequantized values;
+--decode-only runs these alone.
 """
 import argparse
 import itertools
@@ -152,7 +154,17 @@ def run_decode_case(d, paged, splits, h, h_k, window):
   call = jax.jit(lambda q, k, v: jax_fa3.flash_attention_with_kvcache(q, k, v, **options))
   out = call(q, k, v)
   ref = call(*(x.astype(jnp.float32) for x in (q, k, v)))
-  return {"out": _rel(out, ref)}
+  errors = {"out": _rel(out, ref)}
+  if d <= 128 and d % 16 == 0:
+    # The same step over the cache quantized to e4m3 (one scale per 64 slots), read in place by
+    # the e4m3 decode targets: exactly the bf16 call over the dequantized cache.
+    pairs = [jax_fa3.quantize_fp8(x, block_size=64) for x in (k, v)]
+    fp8_call = jax.jit(lambda q, kc, vc: jax_fa3.flash_attention_with_kvcache(
+        q, kc, vc, block_size=64, **options))
+    dequantized = [jax_fa3.dequantize_fp8(*pair, block_size=64, dtype=jnp.bfloat16)
+                   for pair in pairs]
+    errors["e4m3_out"] = _rel(fp8_call(q, *pairs), call(q, *dequantized))
+  return errors
 
 
 def main(argv=None):
@@ -163,11 +175,16 @@ def main(argv=None):
   parser.add_argument("--fp8-backward", action="store_true",
                       help="also jax.grad of flash_attention_fp8(backward='fp8') at d = 64, 128")
   parser.add_argument("--decode", action="store_true",
-                      help="also decode steps over a KV cache (split-KV, paged)")
+                      help="also decode steps over a KV cache (split-KV, paged; bf16 and e4m3)")
+  parser.add_argument("--decode-only", action="store_true",
+                      help="only the decode steps (--decode without the other cases)")
   args = parser.parse_args(argv)
+  if args.decode_only:
+    args.decode, args.no_fp8, args.backward, args.fp8_backward = True, True, False, False
   tol = 2e-2
   failed = 0
-  for d, case in itertools.product([int(x) for x in args.head_dims.split(",")], CASES):
+  for d, case in itertools.product([int(x) for x in args.head_dims.split(",")],
+                                   () if args.decode_only else CASES):
     errors = run_case(d, jnp.bfloat16, *case, backward=args.backward)
     ok = all(np.isfinite(e) and e < tol for e in errors.values())
     failed += not ok
