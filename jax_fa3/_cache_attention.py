@@ -3,10 +3,12 @@ lengths[r] keys), shaped for the kernels: GQA query heads packed into the query 
 decoding, and the keys split across CTAs (split-KV, "flash-decoding") with the partial results
 merged by their log-sum-exp.
 
-A decode step (one query per row) runs as one op (`_decode`): on Hopper the kernels' decode
+A decode step (one query per row) runs as one op (`decode_step` on a `DecodeTarget`: the 16-bit
+cache's, or an e4m3 cache's from jax_fa3._fp8_cache_decode): on Hopper the kernels' decode
 targets read q in place with a kv head's query heads as the rows of its tile and make the
 split-KV pieces in their scheduler, each piece a run of whole key blocks of the row; elsewhere
-XLA ops compute the same pieces (`_decode_pieces_xla`). The pieces are then merged as below.
+XLA ops compute the same pieces (`_decode_pieces_xla`) over the dense cache. The pieces are then
+merged as below.
 
 Other calls (several queries, or a library without the decode targets) reshape around
 padded-batch attention (`jax_fa3.attention.masked_attention`), so they hold on every path: the
