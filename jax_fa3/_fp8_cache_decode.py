@@ -62,10 +62,8 @@ def _dequantized(block_size: int, paged: bool):
   def dense(dtype, table, k, v, k_scales, v_scales):
     keys = dequantize_fp8(k, k_scales, block_size=block_size, dtype=dtype)
     values = dequantize_fp8(v, v_scales, block_size=block_size, dtype=dtype)
-    if paged:
-      keys = _local_attention.gather_pages(keys, table)
-      values = _local_attention.gather_pages(values, table)
-    return keys, values
+    return (_cache_attention.PAGED_DECODE if paged else _cache_attention.DECODE).dense(
+        dtype, table, keys, values)
 
   return dense
 
