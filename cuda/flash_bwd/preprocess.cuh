@@ -4,9 +4,10 @@
 // accumulator zeroed: the workspace's Q-block chunks of kBlockM rows x bucket floats, in (b, h,
 // Q block) order, are `bucket` floats per preprocess row in row order, whatever the fragment order
 // inside a chunk (traits.cuh, dq_slot), so row r zeroes floats [r * bucket, (r + 1) * bucket).
-// One pass instead of a memset and this kernel (FlashAttention-3 does the same). kLanes lanes per row, 16-byte loads: 8 at
-// d <= 64, 16 at d <= 128, 32 above, so that no lane idles at d = 64, 128 (a warp per row left
-// half or three quarters of them without a load, fewer bytes in flight per warp).
+// One pass instead of a memset and this kernel (FlashAttention-3 does the same). kLanes lanes per
+// row, 16-byte loads: 8 at d <= 64, 16 at d <= 128, 32 above, so that no lane idles at d = 64, 128
+// (a warp per row left half or three quarters of them without a load, fewer bytes in flight per
+// warp).
 #pragma once
 #include <cstdint>
 
