@@ -116,13 +116,22 @@ def dequantized(values, scales, cfg: Fp8Config, dtype):
   return (values.astype(jnp.float32) * per_token).astype(dtype)
 
 
-def _kernel_from_float(q, k, v, signs, cfg: Fp8Config):
-  """The GPU branch: q, k quantized as everywhere, v centred straight into the kernel's layout.
-  Returns (out, lse, q8, q_scale, k8, k_scale)."""
-  q8, q_scale = _fp8_quantize.rotate_quantize(q, signs, cfg.incoherent, cfg.block_size)
-  k8, k_scale = _fp8_quantize.rotate_quantize(k, signs, cfg.incoherent, cfg.block_size)
+def kernel_operands_from_float(q, k, v, signs, incoherent: bool, block_size: int):
+  """The GPU branch's preparation pass: q and k rotated (when `incoherent`) and quantized per
+  `block_size` tokens as everywhere, v centred straight into the kernel's V layout. Returns
+  (q8, k8, vt, q_scale, k_scale, v_scale, v_mean), the kernel's operands in its order."""
+  q8, q_scale = _fp8_quantize.rotate_quantize(q, signs, incoherent, block_size)
+  k8, k_scale = _fp8_quantize.rotate_quantize(k, signs, incoherent, block_size)
   vt, v_scale, v_mean = _fp8_quantize.centre_v_kernel_layout(v)
-  out, lse = kernel_forward(cfg, v_transposed=True)(q8, k8, vt, q_scale, k_scale, v_scale, v_mean)
+  return q8, k8, vt, q_scale, k_scale, v_scale, v_mean
+
+
+def _kernel_from_float(q, k, v, signs, cfg: Fp8Config):
+  """The GPU branch: the preparation pass (kernel_operands_from_float), then the kernel on v in
+  its layout. Returns (out, lse, q8, q_scale, k8, k_scale)."""
+  operands = kernel_operands_from_float(q, k, v, signs, cfg.incoherent, cfg.block_size)
+  out, lse = kernel_forward(cfg, v_transposed=True)(*operands)
+  q8, k8, _, q_scale, k_scale, _, _ = operands
   return out, lse, q8, q_scale, k8, k_scale
 
 
