@@ -178,13 +178,16 @@ def main(argv=None):
                       help="also decode steps over a KV cache (split-KV, paged; bf16 and e4m3)")
   parser.add_argument("--decode-only", action="store_true",
                       help="only the decode steps (--decode without the other cases)")
+  parser.add_argument("--fp8-only", action="store_true",
+                      help="only the fp8 forward cases (the kernel, the fused passes, the call "
+                           "from floats)")
   args = parser.parse_args(argv)
   if args.decode_only:
     args.decode, args.no_fp8, args.backward, args.fp8_backward = True, True, False, False
   tol = 2e-2
   failed = 0
-  for d, case in itertools.product([int(x) for x in args.head_dims.split(",")],
-                                   () if args.decode_only else CASES):
+  bf16_cases = () if args.decode_only or args.fp8_only else CASES
+  for d, case in itertools.product([int(x) for x in args.head_dims.split(",")], bf16_cases):
     errors = run_case(d, jnp.bfloat16, *case, backward=args.backward)
     ok = all(np.isfinite(e) and e < tol for e in errors.values())
     failed += not ok
