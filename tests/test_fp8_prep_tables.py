@@ -1,0 +1,45 @@
+"""The fp8 preparation benchmark's tables (benchmarks/bench_attention.py `prep_table`,
+benchmarks/bench_fp8.py `table`) render a row with the fields `prep_rows` writes, leading with the
+user's call from bf16 (what `flash_attention_fp8` runs on Hopper), and take its share of the fp8
+kernel's time from the non-causal kernel row of the same shape."""
+from repo_script import load_script
+
+bench_attention = load_script("benchmarks/bench_attention.py")
+bench_fp8 = load_script("benchmarks/bench_fp8.py")
+
+PARTS = {"user_call": 201.8, "fused": 208.6, "xla": 675.9, "q_rotated": 47.7,
+         "v_per_head": 111.3, "v_kernel_layout": 95.6, "v_kernel_layout_xla_mean": 120.0}
+
+
+def _prep_row(d=128, seqlen=8192):
+  row = dict(peer="fp8_prep", d=d, h=2048 // d, b=2, seqlen=seqlen)
+  for name, us in PARTS.items():
+    row[f"{name}_us"] = us
+    row[f"{name}_gbps"] = 100.0e3 / us  # any positive rate
+  return row
+
+
+def _attention_row(peer, fwd_ms, causal=False, d=128, seqlen=8192):
+  return dict(peer=peer, d=d, seqlen=seqlen, causal=causal, fwd_ms=fwd_ms, fwd_tflops=900.0)
+
+
+def test_prep_table_leads_with_the_users_call_and_its_share_of_the_kernel():
+  rows = [_attention_row("jax_fa3_fp8", 1.2), _attention_row("jax_fa3_fp8", 0.6, causal=True)]
+  table = bench_attention.prep_table([_prep_row()], rows)
+  header, _, line = table.splitlines()
+  assert header.startswith("| d | seqlen | user's call µs")
+  cells = [c.strip() for c in line.strip("|").split("|")]
+  assert cells[:3] == ["128", "8192", "202 (496)"]
+  assert cells[5] == "16.8%"  # 201.8 µs of the 1.2 ms non-causal kernel, not the causal one
+  assert len(cells) == len(header.strip("|").split("|"))
+
+
+def test_fp8_table_quotes_the_users_call_as_the_prep_pass():
+  rows = [_attention_row(peer, ms) for peer, ms in
+          (("jax_fa3", 1.8), ("jax_fa3_fp8_e2e", 1.4), ("jax_fa3_fp8_vt", 1.2), ("cudnn_fp8", 1.3))]
+  table = bench_fp8.table(rows, [_prep_row()])
+  header, _, line = table.splitlines()
+  names = [c.strip() for c in header.strip("|").split("|")]
+  cells = [c.strip() for c in line.strip("|").split("|")]
+  assert cells[names.index("prep pass µs")] == "202"
+  assert cells[names.index("from bf16 ÷ pre-quantized")] == "1.17×"
