@@ -1,5 +1,6 @@
 #include "quantize/rotate_quantize.h"
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -315,13 +316,13 @@ __device__ __forceinline__ Slice slice_of(const RotateQuantizeParams& p, int64_t
           scale_index, batch * p.h + head};
 }
 
-// Blocks of <= kRotateQuantizeMaxCtaBlock tokens that one pass of a CTA does not cover (64-token
-// blocks at d >= 160, or longer blocks): one CTA per (batch, head, block), the block read twice
-// (the second time from L2). A short last block is loaded once and quantized from registers.
-// Three CTAs per SM (at most 85 registers: 20 bytes spilled at d = 128 and 256, up to 44 at
-// d = 96, 160-224, none at d = 32, 64; tests/test_sass.py pins them), where 92 registers allowed
-// two: the pass waits on memory, and 24 warps hide more of it than 16. q rotated at 16k tokens,
-// H200 (2026-12-02, benchmarks/RESULTS.md): 52 vs 64 µs at d = 128, 79 vs 88 at d = 256.
+// Blocks of <= kRotateQuantizeMaxCtaBlock tokens that two passes of a CTA do not cover (the staged
+// kernel below takes 64-token blocks at d >= 160): one CTA per (batch, head, block), the block read
+// twice (the second time from L2). A short last block is loaded once and quantized from registers.
+// Three CTAs per SM (at most 85 registers: 20 bytes spilled at d = 128 and 256, up to 44 at d = 96,
+// 160-224, none at d = 32, 64; tests/test_sass.py pins them), where 92 registers allowed two: the
+// pass waits on memory, and 24 warps hide more of it than 16. q rotated at 16k tokens, H200
+// (2026-12-02, benchmarks/RESULTS.md): 52 vs 64 µs at d = 128, 79 vs 88 at d = 256.
 template <typename T, int kLanesPerRow>
 __global__ void __launch_bounds__(LaneMap<kLanesPerRow>::kThreads, 3)
 rotate_quantize_block_kernel(RotateQuantizeParams p, int64_t n_blocks, int block_pow2,
@@ -344,6 +345,86 @@ rotate_quantize_block_kernel(RotateQuantizeParams p, int64_t n_blocks, int block
       scale_from_amax(cta_amax<Map::kWarps>(rows_amax<T, kLanesPerRow, false>(p, sl, rot)));
   if (threadIdx.x == 0) p.scales[sl.scale_index] = scale;
   quantize_rows<T, kLanesPerRow, false>(p, sl, rot, scale);
+}
+
+// Blocks that two passes of a CTA cover (64-token blocks at d = 160-256, 32-40 rows a pass): each
+// pass's rows are loaded and rotated once and staged as float32 in shared memory until the block's
+// amax is known, where the block kernel loads and rotates them twice: the rotation's shuffle stages
+// bounded it at d = 256. q rotated, 2 x 8k tokens x 2048, H100 (2026-12-07, benchmarks/RESULTS.md):
+// 60.0 µs against the block kernel's 79.2 (47.0 at d = 128, one pass, for the same bytes). A thread
+// reads back only its own rows, so the slots are thread-major float4s: a warp's accesses cover 512
+// consecutive bytes, no bank conflicts. 16-bit inputs issue both passes' loads before the first
+// rotation (their raw registers fit; float32's would spill). 64 KB a CTA, three CTAs an SM.
+constexpr int kStagedPasses = 2;
+
+template <int kLanesPerRow>
+constexpr int staged_block_smem_bytes() {
+  return kStagedPasses * LaneMap<kLanesPerRow>::kThreads * kPerLane * int(sizeof(float));
+}
+
+template <typename T, int kLanesPerRow>
+__global__ void __launch_bounds__(LaneMap<kLanesPerRow>::kThreads, 3)
+rotate_quantize_staged_block_kernel(RotateQuantizeParams p, int64_t n_blocks, int block_pow2,
+                                    float rotation_scale) {
+  using Map = LaneMap<kLanesPerRow>;
+  constexpr int kEarlyLoads = sizeof(T) == 2 ? kStagedPasses : 1;
+  extern __shared__ float4 staged[];  // [pass][float4 of the lane][thread]
+  const Map map = Map::of_thread();
+  const Slice sl = slice_of(p, n_blocks, 1, p.block_size, blockIdx.x);
+  const Rotation rot = make_rotation(p, map.lane_in_row, block_pow2, rotation_scale);
+  const T* x = static_cast<const T*>(p.x) + sl.base + kPerLane * map.lane_in_row;
+  const int64_t row_stride = p.h * p.d;
+  int64_t token[kStagedPasses];
+  bool valid[kStagedPasses];
+#pragma unroll
+  for (int pass = 0; pass < kStagedPasses; ++pass) {
+    token[pass] = sl.t_begin + pass * Map::kRowsPerIter + map.row;
+    valid[pass] = map.active && token[pass] < sl.t_end;
+  }
+  RawLane<T> raw[kEarlyLoads];
+#pragma unroll
+  for (int pass = 0; pass < kEarlyLoads; ++pass) {
+    load_raw_or_zeros(x + token[pass] * row_stride, valid[pass], raw[pass]);
+  }
+  float amax = 0.f;
+#pragma unroll
+  for (int pass = 0; pass < kStagedPasses; ++pass) {
+    float v[kPerLane];
+    if constexpr (kEarlyLoads == kStagedPasses) {
+      raw_to_float(raw[pass], v);
+      rotate_row<kLanesPerRow>(rot, map.lane_in_row, v);
+    } else {
+      load_row<T, kLanesPerRow>(x + token[pass] * row_stride, valid[pass], rot, map.lane_in_row,
+                                v);
+    }
+    amax = lane_amax(amax, v);
+    float4* slot = staged + pass * (kPerLane / 4) * Map::kThreads + threadIdx.x;
+#pragma unroll
+    for (int i = 0; i < kPerLane / 4; ++i) {
+      slot[i * Map::kThreads] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
+    }
+  }
+  const float scale = scale_from_amax(cta_amax<Map::kWarps>(warp_amax(amax)));
+  if (threadIdx.x == 0) p.scales[sl.scale_index] = scale;
+  const float inv_scale = __frcp_rn(scale);
+  uint8_t* values = static_cast<uint8_t*>(p.values) + sl.base + kPerLane * map.lane_in_row;
+#pragma unroll
+  for (int pass = 0; pass < kStagedPasses; ++pass) {
+    // Recomputed rather than kept across the barrier: at d = 160, 192 they would spill.
+    const int64_t t = sl.t_begin + pass * Map::kRowsPerIter + map.row;
+    if (!map.active || t >= sl.t_end) continue;
+    const float4* slot = staged + pass * (kPerLane / 4) * Map::kThreads + threadIdx.x;
+    float v[kPerLane];
+#pragma unroll
+    for (int i = 0; i < kPerLane / 4; ++i) {
+      const float4 f = slot[i * Map::kThreads];
+      v[4 * i] = f.x;
+      v[4 * i + 1] = f.y;
+      v[4 * i + 2] = f.z;
+      v[4 * i + 3] = f.w;
+    }
+    store_quantized(v, inv_scale, values + t * row_stride);
+  }
 }
 
 // Blocks that one pass of a CTA covers (64 tokens at d <= 128), kBlocksPerCta consecutive ones
@@ -585,6 +666,19 @@ cudaError_t launch_shape(const RotateQuantizeParams& p, int64_t n_blocks, cudaSt
     rotate_quantize_one_pass_kernel<T, kLanesPerRow, kBlocksPerCta>
         <<<static_cast<unsigned>(ctas), LaneMap<kLanesPerRow>::kThreads, 0, stream>>>(
             p, n_blocks, slices, block_pow2, rotation_scale);
+    JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+    return cudaSuccess;
+  }
+  if (chunks == 1 && !chunked &&
+      std::min<int64_t>(p.block_size, p.s) <= kStagedPasses * LaneMap<kLanesPerRow>::kRowsPerIter) {
+    if (slices > 0x7fffffff) return cudaErrorInvalidValue;
+    constexpr int kSmem = staged_block_smem_bytes<kLanesPerRow>();
+    JAX_FA3_RETURN_IF_CUDA_ERROR(
+        cudaFuncSetAttribute(rotate_quantize_staged_block_kernel<T, kLanesPerRow>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    rotate_quantize_staged_block_kernel<T, kLanesPerRow>
+        <<<static_cast<unsigned>(slices), LaneMap<kLanesPerRow>::kThreads, kSmem, stream>>>(
+            p, n_blocks, block_pow2, rotation_scale);
     JAX_FA3_RETURN_IF_LAUNCH_ERROR();
     return cudaSuccess;
   }
