@@ -349,7 +349,8 @@ def main():
     prep = prep_rows(head_dims, seqlens, args.min_time)
   write(rows, prep)
   try:
-    plot(rows, args.png)
+    if rows:  # a run of the preparation rows alone (--peers fp8_prep) has nothing to plot
+      plot(rows, args.png)
   except ImportError:
     print("matplotlib missing: no plot")
   print(f"\n{header}\nforward TFLOP/s\n{table(rows, 'fwd')}")
