@@ -669,18 +669,22 @@ cudaError_t launch_shape(const RotateQuantizeParams& p, int64_t n_blocks, cudaSt
     JAX_FA3_RETURN_IF_LAUNCH_ERROR();
     return cudaSuccess;
   }
-  if (chunks == 1 && !chunked &&
-      std::min<int64_t>(p.block_size, p.s) <= kStagedPasses * LaneMap<kLanesPerRow>::kRowsPerIter) {
-    if (slices > 0x7fffffff) return cudaErrorInvalidValue;
-    constexpr int kSmem = staged_block_smem_bytes<kLanesPerRow>();
-    JAX_FA3_RETURN_IF_CUDA_ERROR(
-        cudaFuncSetAttribute(rotate_quantize_staged_block_kernel<T, kLanesPerRow>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    rotate_quantize_staged_block_kernel<T, kLanesPerRow>
-        <<<static_cast<unsigned>(slices), LaneMap<kLanesPerRow>::kThreads, kSmem, stream>>>(
-            p, n_blocks, block_pow2, rotation_scale);
-    JAX_FA3_RETURN_IF_LAUNCH_ERROR();
-    return cudaSuccess;
+  // The staged kernel at d >= 160, where 64-token blocks take two passes (measured at d = 256;
+  // on a GPU tested at d = 192, 256: d = 160, 224 share d = 192's idle lanes).
+  if constexpr (kLanesPerRow >= 5) {
+    constexpr int64_t kStagedRows = kStagedPasses * LaneMap<kLanesPerRow>::kRowsPerIter;
+    if (chunks == 1 && !chunked && std::min<int64_t>(p.block_size, p.s) <= kStagedRows) {
+      if (slices > 0x7fffffff) return cudaErrorInvalidValue;
+      constexpr int kSmem = staged_block_smem_bytes<kLanesPerRow>();
+      JAX_FA3_RETURN_IF_CUDA_ERROR(
+          cudaFuncSetAttribute(rotate_quantize_staged_block_kernel<T, kLanesPerRow>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+      rotate_quantize_staged_block_kernel<T, kLanesPerRow>
+          <<<static_cast<unsigned>(slices), LaneMap<kLanesPerRow>::kThreads, kSmem, stream>>>(
+              p, n_blocks, block_pow2, rotation_scale);
+      JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+      return cudaSuccess;
+    }
   }
   if (chunks == 1 && !chunked) {
     if (slices > 0x7fffffff) return cudaErrorInvalidValue;
