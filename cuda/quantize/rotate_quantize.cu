@@ -374,11 +374,17 @@ rotate_quantize_staged_block_kernel(RotateQuantizeParams p, int64_t n_blocks, in
   const Rotation rot = make_rotation(p, map.lane_in_row, block_pow2, rotation_scale);
   const T* x = static_cast<const T*>(p.x) + sl.base + kPerLane * map.lane_in_row;
   const int64_t row_stride = p.h * p.d;
+  // Evaluated again after the barrier rather than kept across it (kept, bf16 spilled at d = 160,
+  // 192).
+  auto token_of = [&](int pass) { return sl.t_begin + pass * Map::kRowsPerIter + map.row; };
+  auto slot_of = [&](int pass) {
+    return staged + pass * (kPerLane / 4) * Map::kThreads + threadIdx.x;
+  };
   int64_t token[kStagedPasses];
   bool valid[kStagedPasses];
 #pragma unroll
   for (int pass = 0; pass < kStagedPasses; ++pass) {
-    token[pass] = sl.t_begin + pass * Map::kRowsPerIter + map.row;
+    token[pass] = token_of(pass);
     valid[pass] = map.active && token[pass] < sl.t_end;
   }
   RawLane<T> raw[kEarlyLoads];
@@ -398,7 +404,7 @@ rotate_quantize_staged_block_kernel(RotateQuantizeParams p, int64_t n_blocks, in
                                 v);
     }
     amax = lane_amax(amax, v);
-    float4* slot = staged + pass * (kPerLane / 4) * Map::kThreads + threadIdx.x;
+    float4* slot = slot_of(pass);
 #pragma unroll
     for (int i = 0; i < kPerLane / 4; ++i) {
       slot[i * Map::kThreads] = make_float4(v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]);
@@ -410,10 +416,9 @@ rotate_quantize_staged_block_kernel(RotateQuantizeParams p, int64_t n_blocks, in
   uint8_t* values = static_cast<uint8_t*>(p.values) + sl.base + kPerLane * map.lane_in_row;
 #pragma unroll
   for (int pass = 0; pass < kStagedPasses; ++pass) {
-    // Recomputed rather than kept across the barrier: at d = 160, 192 they would spill.
-    const int64_t t = sl.t_begin + pass * Map::kRowsPerIter + map.row;
+    const int64_t t = token_of(pass);
     if (!map.active || t >= sl.t_end) continue;
-    const float4* slot = staged + pass * (kPerLane / 4) * Map::kThreads + threadIdx.x;
+    const float4* slot = slot_of(pass);
     float v[kPerLane];
 #pragma unroll
     for (int i = 0; i < kPerLane / 4; ++i) {
@@ -669,25 +674,24 @@ cudaError_t launch_shape(const RotateQuantizeParams& p, int64_t n_blocks, cudaSt
     JAX_FA3_RETURN_IF_LAUNCH_ERROR();
     return cudaSuccess;
   }
-  // The staged kernel at d >= 160, where 64-token blocks take two passes (measured at d = 256;
-  // on a GPU tested at d = 192, 256: d = 160, 224 share d = 192's idle lanes).
-  if constexpr (kLanesPerRow >= 5) {
-    constexpr int64_t kStagedRows = kStagedPasses * LaneMap<kLanesPerRow>::kRowsPerIter;
-    if (chunks == 1 && !chunked && std::min<int64_t>(p.block_size, p.s) <= kStagedRows) {
-      if (slices > 0x7fffffff) return cudaErrorInvalidValue;
-      constexpr int kSmem = staged_block_smem_bytes<kLanesPerRow>();
-      JAX_FA3_RETURN_IF_CUDA_ERROR(
-          cudaFuncSetAttribute(rotate_quantize_staged_block_kernel<T, kLanesPerRow>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-      rotate_quantize_staged_block_kernel<T, kLanesPerRow>
-          <<<static_cast<unsigned>(slices), LaneMap<kLanesPerRow>::kThreads, kSmem, stream>>>(
-              p, n_blocks, block_pow2, rotation_scale);
-      JAX_FA3_RETURN_IF_LAUNCH_ERROR();
-      return cudaSuccess;
-    }
-  }
   if (chunks == 1 && !chunked) {
     if (slices > 0x7fffffff) return cudaErrorInvalidValue;
+    // The staged kernel at d >= 160, where 64-token blocks take two passes (measured at d = 256;
+    // on a GPU tested at d = 192, 256: d = 160, 224 share d = 192's idle lanes).
+    if constexpr (kLanesPerRow >= 5) {
+      constexpr int64_t kStagedRows = kStagedPasses * LaneMap<kLanesPerRow>::kRowsPerIter;
+      if (std::min<int64_t>(p.block_size, p.s) <= kStagedRows) {
+        constexpr int kSmem = staged_block_smem_bytes<kLanesPerRow>();
+        JAX_FA3_RETURN_IF_CUDA_ERROR(
+            cudaFuncSetAttribute(rotate_quantize_staged_block_kernel<T, kLanesPerRow>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+        rotate_quantize_staged_block_kernel<T, kLanesPerRow>
+            <<<static_cast<unsigned>(slices), LaneMap<kLanesPerRow>::kThreads, kSmem, stream>>>(
+                p, n_blocks, block_pow2, rotation_scale);
+        JAX_FA3_RETURN_IF_LAUNCH_ERROR();
+        return cudaSuccess;
+      }
+    }
     rotate_quantize_block_kernel<T, kLanesPerRow><<<static_cast<unsigned>(slices), LaneMap<kLanesPerRow>::kThreads, 0, stream>>>(
         p, n_blocks, block_pow2, rotation_scale);
     JAX_FA3_RETURN_IF_LAUNCH_ERROR();
