@@ -34,8 +34,7 @@ from repo_script import load_script
 # took ten instructions and eight R2URs out of the loop and measured 2% faster with the spill
 # (kernel alone, 2x16x8192, H200: 921-929 vs 901-908 TFLOP/s).
 # The input pass's staged block kernel (64-token blocks at d 160-256, rotated once): fp16 at
-# d = 160-224 only, 2-4 instructions under the same 85-register cap (bf16 and
-# float32 fit).
+# d = 160-224 only, 2-4 instructions under the same 85-register cap (bf16 and float32 fit).
 SPILL_BUDGET = {r"flash_fwd_kernel<fwd::Fp8KernelTraits<128, 128> >": 6,
                 r"flash_fwd_kernel<fwd::Fp8KernelTraits<128, 192> >": 2,
                 r"rotate_quantize_block_kernel<[\w:]+, [48]>": 10,
