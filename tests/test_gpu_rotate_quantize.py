@@ -81,6 +81,15 @@ def test_matches_pure_jax(d, dtype, block_size, seqlen):
   _check_against_pure_jax(_inputs(d, (2, seqlen, 3, d), dtype), block_size)
 
 
+@pytest.mark.parametrize("d", [160, 224])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("block_size,seqlen", [(64, 200), (48, 200), (64, 64)])
+def test_staged_block_head_dims(d, dtype, block_size, seqlen):
+  """d = 160 and 224 take two passes a CTA (rotate_quantize_staged_block_kernel) with idle lanes
+  in the last pass, as d = 192 does: whole, ragged and single blocks."""
+  _check_against_pure_jax(_inputs(d + 7, (2, seqlen, 3, d), dtype), block_size)
+
+
 @pytest.mark.parametrize("d", [32, 64, 96, 128])
 def test_odd_number_of_one_pass_blocks(d):
   """64-token blocks of 16-bit inputs run two per CTA (rotate_quantize_one_pass_kernel): 3 heads
