@@ -59,9 +59,9 @@ def _slots(cache, page_table, cache_batch_idx, b, capacity):
   position = jnp.arange(capacity)
   if page_table is not None:
     page_size = cache.shape[1]
-    page = page_table.astype(jnp.int32)[:, position // page_size]
+    page = jnp.asarray(page_table, jnp.int32)[:, position // page_size]
     return page, jnp.broadcast_to(position % page_size, page.shape)
-  rows = jnp.arange(b) if cache_batch_idx is None else cache_batch_idx.astype(jnp.int32)
+  rows = jnp.arange(b) if cache_batch_idx is None else jnp.asarray(cache_batch_idx, jnp.int32)
   return (jnp.broadcast_to(rows[:, None], (b, capacity)),
           jnp.broadcast_to(position[None, :], (b, capacity)))
 
@@ -274,7 +274,7 @@ def flash_attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_s
   logical = jax.ShapeDtypeStruct((b, capacity) + k_cache.shape[2:], q.dtype)
   # Row r's pages: the page table, or with cache_batch_idx one page of the whole capacity.
   table = page_table if page_table is not None else (
-      None if cache_batch_idx is None else cache_batch_idx.astype(jnp.int32)[:, None])
+      None if cache_batch_idx is None else jnp.asarray(cache_batch_idx, jnp.int32)[:, None])
   page_size = k_cache.shape[1]
   cfg = attention_config(q, logical, logical, softmax_scale=softmax_scale, causal=causal,
                          window_size=window_size, softcap=softcap, deterministic=False)

@@ -216,6 +216,25 @@ def test_cache_batch_idx_picks_rows(in_place, monkeypatch):
   np.testing.assert_allclose(np.asarray(out), ref_out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("index", ["page_table", "cache_batch_idx"])
+def test_numpy_lengths_and_tables_inside_jit(index):
+  """NumPy cache_seqlens, page_table and cache_batch_idx closed over by a jitted call (constants
+  of the trace, indexed by traced positions) give the eager call's output and caches."""
+  q, k_cache, v_cache, k, v = _case(11, 1, 1)
+  if index == "page_table":
+    k_cache, table = _paged(k_cache, 3)
+    v_cache, _ = _paged(v_cache, 3)
+    options = {"page_table": np.asarray(table)}
+  else:
+    options = {"cache_batch_idx": np.array([2, 0, 3, 1], np.int32)}
+  options["cache_seqlens"] = LENGTHS
+  eager = jax_fa3.flash_attention_with_kvcache(q, k_cache, v_cache, k, v, **options)
+  traced = jax.jit(lambda q, kc, vc, k, v: jax_fa3.flash_attention_with_kvcache(
+      q, kc, vc, k, v, **options))(q, k_cache, v_cache, k, v)
+  for got, want in zip(traced, eager):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_donated_caches_are_updated_in_place(paged):
   q, k_cache, v_cache, k, v = _case(6, 1, 1)
