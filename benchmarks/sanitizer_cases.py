@@ -142,18 +142,23 @@ def run_decode_case(d, paged, splits, h, h_k, window):
   q = jax.random.normal(keys[0], (b, 1, h, d), jnp.float32).astype(jnp.bfloat16)
   k = jax.random.normal(keys[1], (b, cap, h_k, d), jnp.float32).astype(jnp.bfloat16)
   v = jax.random.normal(keys[2], (b, cap, h_k, d), jnp.float32).astype(jnp.bfloat16)
-  lengths = jnp.asarray([cap, 1, 2 * block + 3], jnp.int32)
+  # NumPy lengths and table: constants of both the GPU call and its CPU reference.
+  lengths = np.asarray([cap, 1, 2 * block + 3], np.int32)
   options = dict(cache_seqlens=lengths, window_size=window, num_splits=splits)
   if paged:  # pages of one key block, in reverse order
     pages = b * 5
-    table = jnp.arange(pages, dtype=jnp.int32)[::-1].reshape(b, 5)
+    table = np.arange(pages, dtype=np.int32)[::-1].reshape(b, 5).copy()
     as_pool = lambda c: jnp.zeros((pages, block, h_k, d), c.dtype).at[table.reshape(-1)].set(
         c.reshape(pages, block, h_k, d))
     k, v = as_pool(k), as_pool(v)
     options["page_table"] = table
   call = jax.jit(lambda q, k, v: jax_fa3.flash_attention_with_kvcache(q, k, v, **options))
   out = call(q, k, v)
-  ref = call(*(x.astype(jnp.float32) for x in (q, k, v)))
+  # The float32 reference on the CPU: under memcheck the process is XLA's GPU ops' as much as
+  # ours, and a paged case died there with a segmentation fault (H100, 2026-12-06 and -07).
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    ref = call(*(jax.device_put(x.astype(jnp.float32), cpu) for x in (q, k, v)))
   errors = {"out": _rel(out, ref)}
   if d <= 128 and d % 16 == 0:
     # The same step over the cache quantized to e4m3 (one scale per 64 slots), read in place by
