@@ -49,10 +49,13 @@ def _fp8_and_dequantized(cache, block, dtype):
 
 
 # (d, capacity, page size or None, scale block, splits): d = 128's key block is 128 keys, d = 64's
-# 160; pages of whole key blocks are read in place; a scale block of 48 does not divide them.
+# 160; pages of whole key blocks are read in place; scale blocks of 48 and 7 do not divide them
+# (a key block's scales start mid-run), one of 1 gives every key row its own scale (a key block
+# spans the kernel's whole box of scales).
 _CASES = [(128, 1024, None, 64, 1), (128, 1024, None, 64, 3), (128, 1000, None, 48, 0),
           (128, 1024, 256, 64, 1), (128, 1024, 256, 64, 4), (64, 960, None, 64, 2),
-          (64, 960, 320, 32, 1), (96, 864, None, 64, 1), (112, 640, None, 16, 2)]
+          (64, 960, 320, 32, 1), (96, 864, None, 64, 1), (112, 640, None, 16, 2),
+          (128, 1024, 256, 7, 2), (128, 900, None, 1, 1), (64, 960, 320, 7, 0)]
 
 
 @pytest.mark.parametrize("d,capacity,page,block,splits", _CASES)

@@ -14,7 +14,7 @@ enum NamedBarrierId : uint32_t {
   kBarrierWarpGroup2 = 3,  // ping-pong: "warpgroup 2 may issue its GEMMs"
   kBarrierWarpGroup3 = 4,  // ping-pong with three consumer warpgroups (fp8 192-row tiles)
   kBarrierVMean = 5,       // fp8: the tile's v_mean is staged in shared memory (fp8/v_mean.h)
-  kBarrierConverter = 6,   // e4m3 cache: the converter's row scales are in shared memory
+  kBarrierConverter = 6,   // e4m3 cache: every converter thread stored its part of a block
 };
 
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t num_threads) {

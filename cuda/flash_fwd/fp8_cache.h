@@ -1,11 +1,12 @@
 // Decoding over an e4m3 KV cache (`flash_attention_with_kvcache` on (values, scales) caches):
-// the decode tile (kernel_traits.h, 64 query rows, one consumer warpgroup) with a third
-// warpgroup, the converter, between the TMA producer and the consumer.
+// the decode tile (kernel_traits.h, 64 query rows, one consumer warpgroup) with two more
+// warpgroups, the converter, between the TMA producer and the consumer.
 //
-//   producer (WG0, one thread)  TMA: Q as always; each K/V block of the cache in e4m3 into a ring
-//                               of kNumSlots staging slots (K(n), V(n), K(n-1), V(n-1), ...)
-//   converter (WG2, 128 threads) per slot: waits for its bytes and for the consumer's release of
-//                               the 16-bit K or V stage, writes value * scale of every element
+//   producer (WG0, one thread)  TMA: Q as always; each K/V block of the cache in e4m3, with the
+//                               run of scales its rows use, into a ring of kNumSlots staging
+//                               slots (K(n), V(n), K(n-1), V(n-1), ...)
+//   converter (WG2-3, 256 threads) per slot: waits for its bytes and for the consumer's release
+//                               of the 16-bit K or V stage, writes value * scale of every element
 //                               there (the cache's layout: one scale per `scale_block` slots and
 //                               kv head), arrives on k_full / v_full and frees the slot
 //   consumer (WG1)              unchanged: the 16-bit decode tile's mainloop over k/v stages
@@ -15,10 +16,11 @@
 // dequantized cache: the consumer is the same code on the same blocks. The cache is read once,
 // in e4m3: half the bytes of a 16-bit cache and no dequantized copy.
 //
-// Why a converter warpgroup and not the consumer: per 128-key d128 block (K and V, 32 KB of e4m3)
+// Why converter warpgroups and not the consumer: per 128-key d128 block (K and V, 32 KB of e4m3)
 // the conversion is ~1.7k warp instructions per tensor, ~0.6-0.9 us on four warps, against
 // ~1.2 us to stream the block at a 132th of the chip's bandwidth; the consumer's GEMMs and
-// softmax would serialise with it, a warpgroup of its own overlaps both.
+// softmax would serialise with it, warpgroups of their own overlap both, and two of them halve
+// its latency per block.
 #pragma once
 #include "common/cute_config.h"
 #include <cstdint>
@@ -49,16 +51,33 @@ struct Fp8CacheTraits : KernelTraits<kHeadDim_, Element_, true, BlockN<kHeadDim_
   using ElementCache = cutlass::float_e4m3_t;
   static_assert(kHeadDim <= 128, "the e4m3 cache's decode kernel is built for d <= 128");
   static constexpr bool kFp8Cache = true;
+  // The converter: warpgroups 2 and 3, splitting each block's pieces. With the scales delivered
+  // with the slot (producer.h), one warpgroup bounds the step: d128 GQA 32:4 on an H100
+  // (2026-12-07, benchmarks/RESULTS.md), one / two warpgroups, us per step: b1 32k 36.8 / 29.3,
+  // b8 128k 797.9 / 548. Three would leave the consumer fewer than its 240 registers.
   static constexpr int kConverterWarpGroup = 2;
-  static constexpr int kNumConverterThreads = 128;
-  // The converter's setmaxnreg budget: its block's 16 loads (d128) in flight with their scales
-  // and products spilled 136 bytes at the launch's 168.
-  static constexpr int kConverterRegs = 240;
-  static constexpr int kNumThreads = 384;  // producer, consumer, converter
+  static constexpr int kNumConverterWarpGroups = 2;
+  static constexpr int kNumConverterThreads = 128 * kNumConverterWarpGroups;
+  static constexpr int kNumThreads = 128 * (2 + kNumConverterWarpGroups);  // producer, consumer
+  // setmaxnreg: the 512 threads hold 128 registers each at entry (__launch_bounds__); the
+  // producer gives back to 24, the converter to 120, the consumer raises to 240:
+  // 128 * (24 + 240) + 256 * 120 = 64512 <= 65536. A raise past what the others gave back would
+  // wait forever.
+  static constexpr int kConverterRegs = 120;
+  static_assert(kConverterRegs < 65536 / kNumThreads &&
+                    128 * (Base::kProducerRegs + Base::kConsumerRegs) +
+                            kNumConverterThreads * kConverterRegs <= 65536,
+                "the setmaxnreg budgets exceed the registers the CTA holds at entry");
   // e4m3 bytes of one K or V block; the slots are plain (keys, d) rows: a half-warp's 8-byte
   // reads cover one 128-byte row (d128), so they are free of bank conflicts.
   static constexpr int kSlotBytes = kBlockN * kHeadDim;
   static constexpr int kNumSlots = 4;
+  // Each slot's scales come with its bytes, under the same barrier (producer.h,
+  // load_cache_slot): the run of scales its rows use, at most kBlockN. The converter used to
+  // load them itself from global memory, one block ahead; that load's latency, not the
+  // conversion, then set a block's time (~2.7 us per 128-key block on an H100 with one or two
+  // converter warpgroups, 2026-12-07).
+  static constexpr int kScaleBox = kBlockN;
   static constexpr uint32_t kTmaBytesSlot = kSlotBytes;
   using SmemLayoutSlot = Layout<Shape<Int<kBlockN>, Int<kHeadDim>, Int<kNumSlots>>,
                                 Stride<Int<kHeadDim>, _1, Int<kSlotBytes>>>;
@@ -69,11 +88,9 @@ struct Fp8CacheTraits : KernelTraits<kHeadDim_, Element_, true, BlockN<kHeadDim_
     alignas(1024) cute::array_aligned<Element, cosize_v<typename Base::SmemLayoutV>, 1024> v;
     alignas(1024) cute::array_aligned<Element, Base::kOBufferElems, 1024> o;
     alignas(128) cute::array_aligned<ElementCache, kNumSlots * kSlotBytes, 128> slots;
-    // The K and V scale of each key row of the block being converted, double-buffered
-    // (run_cache_converter).
-    float row_scales[2][2][kBlockN];
+    alignas(128) float slot_scales[kNumSlots][kScaleBox];
     JAX_FA3_FWD_PIPELINE_BARRIERS(kStages)
-    uint64_t slot_full[kNumSlots];   // 1 + tx: the producer's TMA of one e4m3 block
+    uint64_t slot_full[kNumSlots];   // 2 + tx: the producer's TMA of a block, its scales' cp.asyncs
     uint64_t slot_empty[kNumSlots];  // 1: the converter's thread 0, once all its threads read it
   };
   __device__ __forceinline__ static Element* o_smem(SharedStorage& ss) {
@@ -140,89 +157,35 @@ __device__ __forceinline__ void convert_slot(const uint8_t* slot,
   }
 }
 
-// The rows of a block whose scales one converter thread fetches: rows t, t + 128, ...
-template <class Traits>
-constexpr int kScaleRowsPerThread =
-    (Traits::kBlockN + Traits::kNumConverterThreads - 1) / Traits::kNumConverterThreads;
-
-// This thread's rows' K and V scales of logical block n_block of the tile (batch, kv head): those
-// of its page (paged) or batch row, from the block's first slot.
-template <class Traits>
-__device__ __forceinline__ void load_block_scales(KernelParams<Traits> const& p, int batch,
-                                                  int kv_head, int n_block, int thread,
-                                                  float (&k_scale)[kScaleRowsPerThread<Traits>],
-                                                  float (&v_scale)[kScaleRowsPerThread<Traits>]) {
-  const FlashFwdScalars& sc = p.s;
-  const int pool = kv_pool_block<Traits>(sc, batch, n_block);
-  const bool paged = sc.kv_pages != nullptr;
-  const int page = paged ? pool / sc.blocks_per_page : batch;
-  const int first_slot = (paged ? pool % sc.blocks_per_page : n_block) * Traits::kBlockN;
-  const int64_t scale_row = (int64_t(page) * sc.h_k + kv_head) * p.scale_blocks;
-#pragma unroll
-  for (int i = 0; i < kScaleRowsPerThread<Traits>; ++i) {
-    const int row = thread + i * Traits::kNumConverterThreads;
-    const int block = min((first_slot + min(row, Traits::kBlockN - 1)) / p.scale_block,
-                          p.scale_blocks - 1);
-    k_scale[i] = __ldg(p.k_scales + scale_row + block);
-    v_scale[i] = __ldg(p.v_scales + scale_row + block);
-  }
-}
-
-// The converter warpgroup: walks the work items and K/V blocks exactly as the producer and the
+// The converter warpgroups: walk the work items and K/V blocks exactly as the producer and the
 // consumer do (n_max - 1 down to n_min; K then V), so the slot ring and the stage ring advance
-// alike on all three sides. Each thread fetches its rows' scales of the next block of the tile
-// while this block converts (their global-memory latency, ~1 us, was otherwise paid twice a
-// block), publishes them in shared memory at the block's start, and every thread reads a row's
-// scale from there (the rows a thread converts are not a fixed stride apart at every d).
+// alike on all three sides.
 template <class Traits>
 __device__ __forceinline__ void run_cache_converter(KernelParams<Traits> const& p,
                                                     typename Traits::SharedStorage& ss,
                                                     int thread) {
-  constexpr int kBlockN = Traits::kBlockN;
-  constexpr int kRows = kScaleRowsPerThread<Traits>;
   const FlashFwdScalars& sc = p.s;
-  const int group = sc.h / sc.h_k;
+  const int scale_block = p.scale_block;
   PipelineState<Traits::kStages> kv;
   PipelineState<Traits::kNumSlots> slot;
-  int scale_buffer = 0;
   for (int index = blockIdx.x; index < num_work_items<false>(p.scheduler); index += gridDim.x) {
     const ItemBlocks work =
-        item_blocks<false, true>(p.scheduler, index, Traits::kBlockM, kBlockN, sc);
-    const TileCoord c = work.tile;
-    const int kv_head = c.head / group;
+        item_blocks<false, true>(p.scheduler, index, Traits::kBlockM, Traits::kBlockN, sc);
     const BlockRange range = work.piece.visit;
-    float k_scale[kRows], v_scale[kRows];
-    if (range.n_max > range.n_min) {
-      load_block_scales(p, c.batch, kv_head, range.n_max - 1, thread, k_scale, v_scale);
-    }
     for (int n_block = range.n_max - 1; n_block >= range.n_min; --n_block) {
-      // Publish this block's scales; the buffer alternates, and a thread refills one only after
-      // the barrier that followed everyone's last read of it.
-      float* k_rows = ss.row_scales[scale_buffer][0];
-      float* v_rows = ss.row_scales[scale_buffer][1];
-#pragma unroll
-      for (int i = 0; i < kRows; ++i) {
-        const int row = thread + i * Traits::kNumConverterThreads;
-        if (row < kBlockN) {
-          k_rows[row] = k_scale[i];
-          v_rows[row] = v_scale[i];
-        }
-      }
-      named_barrier_sync(kBarrierConverter, Traits::kNumConverterThreads);
-      scale_buffer ^= 1;
-      if (n_block > range.n_min) {
-        load_block_scales(p, c.batch, kv_head, n_block - 1, thread, k_scale, v_scale);
-      }
-      auto convert = [&](const float* row_scale, uint64_t* full, uint64_t* empty,
-                         typename Traits::Element* stages) {
+      const int first_row = block_first_slot<Traits>(sc, n_block) % scale_block;
+      auto convert = [&](uint64_t* full, uint64_t* empty, typename Traits::Element* stages) {
         mbar_wait(&ss.slot_full[slot.stage], slot.phase);
         mbar_wait(empty, kv.phase ^ 1);
+        const float* scales = ss.slot_scales[slot.stage];
         convert_slot<Traits>(reinterpret_cast<const uint8_t*>(ss.slots.data()) +
                                  slot.stage * Traits::kSlotBytes,
-                             stages, kv.stage, thread, [&](int row) { return row_scale[row]; });
+                             stages, kv.stage, thread,
+                             [&](int row) { return scales[(first_row + row) / scale_block]; });
         // Generic-proxy stores, read by wgmma (async proxy) once the consumer saw `full`: every
-        // thread fences its own, the warpgroup meets, one thread arrives for all (128 arrivals
-        // on each of two mbarriers per tensor and block were as many shared-memory atomics).
+        // thread fences its own, the warpgroups meet, one thread arrives for all (as many
+        // arrivals as threads on each of two mbarriers per tensor and block were as many
+        // shared-memory atomics).
         cutlass::arch::fence_view_async_shared();
         named_barrier_sync(kBarrierConverter, Traits::kNumConverterThreads);
         if (thread == 0) {
@@ -231,8 +194,8 @@ __device__ __forceinline__ void run_cache_converter(KernelParams<Traits> const& 
         }
         slot.advance();
       };
-      convert(k_rows, &ss.k_full[kv.stage], &ss.k_empty[kv.stage], ss.k.data());
-      convert(v_rows, &ss.v_full[kv.stage], &ss.v_empty[kv.stage], ss.v.data());
+      convert(&ss.k_full[kv.stage], &ss.k_empty[kv.stage], ss.k.data());
+      convert(&ss.v_full[kv.stage], &ss.v_empty[kv.stage], ss.v.data());
       kv.advance();
     }
   }

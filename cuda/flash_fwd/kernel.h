@@ -16,7 +16,7 @@ namespace jax_fa3::fwd {
 template <class Traits>
 __device__ __forceinline__ bool is_converter(int warp_group) {
   if constexpr (Traits::kFp8Cache) {
-    return warp_group == Traits::kConverterWarpGroup;
+    return warp_group >= Traits::kConverterWarpGroup;
   } else {
     return false;
   }
@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     if constexpr (Traits::kFp8Cache) {
 #pragma unroll
       for (int s = 0; s < Traits::kNumSlots; ++s) {
-        mbar_init(&ss.slot_full[s], 1);
+        mbar_init(&ss.slot_full[s], 2);  // the block's TMA and its scales' cp.asyncs
         mbar_init(&ss.slot_empty[s], 1);
       }
     }
@@ -69,8 +69,7 @@ __global__ void __launch_bounds__(Traits::kNumThreads, 1)
     if (threadIdx.x == 0) run_producer<Traits>(params, ss);
   } else if (is_converter<Traits>(warp_group)) {
     if constexpr (Traits::kFp8Cache) {
-      // 128 * (24 + 240 + 240) = 64512 registers: what the producer frees pays for both raises.
-      cutlass::arch::warpgroup_reg_alloc<Traits::kConverterRegs>();
+      cutlass::arch::warpgroup_reg_dealloc<Traits::kConverterRegs>();  // budget: fp8_cache.h
       run_cache_converter<Traits>(params, ss, threadIdx.x - 128 * Traits::kConverterWarpGroup);
     }
   } else {

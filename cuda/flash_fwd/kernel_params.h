@@ -77,10 +77,11 @@ template <class Traits> struct Fp8CacheParams<Traits, true> {
       Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{}));
   TmaSlot tma_k8;
   TmaSlot tma_v8;
-  const float* k_scales;
+  const float* k_scales;  // flat (pages or batch rows, kv heads, scale_blocks)
   const float* v_scales;
   int scale_block;   // slots per scale
   int scale_blocks;  // scales per (page or batch row, kv head): ceil(page or row length / scale_block)
+  int num_scales;    // of each of k and v: (pages or batch rows) * kv heads * scale_blocks
 };
 
 template <class Traits>

@@ -147,8 +147,10 @@ cudaError_t launch_fp8_cache(const FlashFwdParams& p, cudaStream_t stream) {
                          take<0, 2>(typename Traits::SmemLayoutSlot{}),
                          Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{}, _1{});
   };
+  const int64_t num_scales = int64_t(paged ? p.num_pages : p.b) * p.h_k * p.scale_blocks;
+  if (num_scales > INT32_MAX) return cudaErrorInvalidValue;  // indexed in int32 (producer.h)
   const Fp8CacheParams<Traits> cache{slot_tma(p.k), slot_tma(p.v), p.k_scales, p.v_scales,
-                                     p.scale_block, p.scale_blocks};
+                                     p.scale_block, p.scale_blocks, int(num_scales)};
   const auto* q = static_cast<const Element*>(p.q);
   const KernelParams<Traits> params = make_kernel_params<Traits>(
       {}, q, q, make_gmem_tensor(q, 1, p.d, 1, 1), static_cast<Element*>(p.o), p.b, p.s_q, 1,

@@ -50,13 +50,30 @@ template <class Traits> struct NumCacheSlots<Traits, true> {
   static constexpr int value = Traits::kNumSlots;
 };
 
-// The e4m3 cache (fp8_cache.h): TMA of K or V block `pool_block` of kv head `kv_head` into the
-// next staging slot, once the converter has read the slot's previous block.
+// Where logical block n_block of a batch row starts among the slots its scales count (the row's
+// for a contiguous cache, its page's for a paged one; a page holds whole blocks, so no page-table
+// read): row r of the block takes the scale (first_slot % scale_block + r) / scale_block of the
+// run that starts at first_slot's scale (fp8_cache.h).
+template <class Traits>
+__device__ __forceinline__ int block_first_slot(const FlashFwdScalars& sc, int n_block) {
+  const bool paged = sc.kv_pages != nullptr;
+  return (paged ? n_block % sc.blocks_per_page : n_block) * Traits::kBlockN;
+}
+
+// The e4m3 cache (fp8_cache.h): TMA of K or V block `pool_block` (logical block n_block of batch
+// row `batch`) of kv head `kv_head` into the next staging slot, and the run of scales its rows
+// use (block_first_slot) by cp.async into the slot's scales, once the converter has read the
+// slot's previous block. The slot's full barrier counts two arrivals, the TMA's (with its bytes)
+// and the cp.asyncs' completion (cp.async.mbarrier.arrive.noinc), so the converter never waits
+// on a global load of its own. Entries past the scales' end are zero-filled: they belong to key
+// rows past the cache, whose e4m3 bytes the TMA zero-filled too.
 template <class Traits, class Tma>
-__device__ __forceinline__ void load_cache_slot(Tma const& tma, typename Traits::SharedStorage& ss,
+__device__ __forceinline__ void load_cache_slot(Tma const& tma, const float* scales,
+                                                KernelParams<Traits> const& p,
+                                                typename Traits::SharedStorage& ss,
                                                 PipelineState<Traits::kNumSlots>& slot,
-                                                GmemShape const& shape, int kv_head, int kv_batch,
-                                                int pool_block) {
+                                                GmemShape const& shape, int kv_head, int batch,
+                                                int kv_batch, int n_block, int pool_block) {
   Tensor s_slots = make_tensor(make_smem_ptr(ss.slots.data()), typename Traits::SmemLayoutSlot{});
   Tensor g_blocks = local_tile(tma.get_tma_tensor(shape)(_, _, kv_head, kv_batch),
                                Shape<Int<Traits::kBlockN>, Int<Traits::kHeadDim>>{},
@@ -67,6 +84,23 @@ __device__ __forceinline__ void load_cache_slot(Tma const& tma, typename Traits:
   mbar_arrive_expect_tx(&ss.slot_full[slot.stage], Traits::kTmaBytesSlot);
   copy(tma.with(ss.slot_full[slot.stage]), get<0>(part)(_, pool_block),
        get<1>(part)(_, slot.stage));
+
+  const FlashFwdScalars& sc = p.s;
+  const bool paged = sc.kv_pages != nullptr;
+  const int page = paged ? pool_block / sc.blocks_per_page : batch;
+  const int first_slot = block_first_slot<Traits>(sc, n_block);
+  const int first_scale = (page * sc.h_k + kv_head) * p.scale_blocks + first_slot / p.scale_block;
+  const int count = (first_slot % p.scale_block + Traits::kBlockN - 1) / p.scale_block + 1;
+  const uint32_t dst = cute::cast_smem_ptr_to_uint(ss.slot_scales[slot.stage]);
+  for (int i = 0; i < count; ++i) {
+    const bool inside = first_scale + i < p.num_scales;
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst + 4 * i),
+                 "l"(scales + (inside ? first_scale + i : 0)), "r"(inside ? 4 : 0)
+                 : "memory");
+  }
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(
+                   cute::cast_smem_ptr_to_uint(&ss.slot_full[slot.stage]))
+               : "memory");
   slot.advance();
 }
 
@@ -142,7 +176,8 @@ __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
 
     auto load_k = [&](int n_block) {
       if constexpr (Traits::kFp8Cache) {  // e4m3 into a slot; the converter fills the K stage
-        load_cache_slot<Traits>(p.tma_k8, ss, slot, kv_shape, kv_head, kv_batch, kv_block(n_block));
+        load_cache_slot<Traits>(p.tma_k8, p.k_scales, p, ss, slot, kv_shape, kv_head, c.batch,
+                                kv_batch, n_block, kv_block(n_block));
         return;
       }
       mbar_wait(&ss.k_empty[kv.stage], kv.phase ^ 1);
@@ -151,7 +186,8 @@ __device__ __forceinline__ void run_producer(KernelParams<Traits> const& p,
     };
     auto load_v = [&](int n_block) {
       if constexpr (Traits::kFp8Cache) {
-        load_cache_slot<Traits>(p.tma_v8, ss, slot, kv_shape, kv_head, kv_batch, kv_block(n_block));
+        load_cache_slot<Traits>(p.tma_v8, p.v_scales, p, ss, slot, kv_shape, kv_head, c.batch,
+                                kv_batch, n_block, kv_block(n_block));
         return;
       }
       mbar_wait(&ss.v_empty[kv.stage], kv.phase ^ 1);
