@@ -109,6 +109,11 @@ def test_pages_read_in_place_match_the_oracle(s_q, s_new, causal, window, num_sp
   # takes the decode op on the pages instead, in pieces of whole key blocks: one piece here,
   # where the 24 slots are less than one block.
   from jax_fa3 import _cache_attention, _local_attention  # noqa: PLC0415
+  if s_q > 1 and jax.default_backend() == "gpu":
+    # On a GPU the forced route reaches the kernels, which take bf16/fp16 only and refuse these
+    # float32 inputs (a clear error, seen on an H100); test_gpu_masked.py's
+    # test_paged_cache_is_read_in_place_bit_for_bit covers the route there in bf16.
+    pytest.skip("forces the paged kernels with float32 inputs, which they refuse")
   monkeypatch.setattr(_local_attention, "paged_in_place", lambda q, page_size: True)
   # A fresh partitioned op, so that its body is traced here rather than found in the jit cache of
   # an earlier case with the same shapes.
