@@ -19,8 +19,8 @@
 // Why converter warpgroups and not the consumer: per 128-key d128 block (K and V, 32 KB of e4m3)
 // the conversion is ~1.7k warp instructions per tensor, ~0.6-0.9 us on four warps, against
 // ~1.2 us to stream the block at a 132th of the chip's bandwidth; the consumer's GEMMs and
-// softmax would serialise with it, warpgroups of their own overlap both, and two of them halve
-// its latency per block.
+// softmax would serialise with it; warpgroups of their own overlap both, and two of them split
+// each block (measured below, Fp8CacheTraits).
 #pragma once
 #include "common/cute_config.h"
 #include <cstdint>
