@@ -12,7 +12,7 @@
 
 namespace jax_fa3::fwd {
 
-// The e4m3 cache's converter warpgroup (fp8_cache.h); none in the other kernels.
+// The e4m3 cache's converter warpgroups (fp8_cache.h); none in the other kernels.
 template <class Traits>
 __device__ __forceinline__ bool is_converter(int warp_group) {
   if constexpr (Traits::kFp8Cache) {
