@@ -61,12 +61,14 @@ struct Fp8CacheTraits : KernelTraits<kHeadDim_, Element_, true, BlockN<kHeadDim_
   static constexpr int kNumThreads = 128 * (2 + kNumConverterWarpGroups);  // producer, consumer
   // setmaxnreg: the 512 threads hold 128 registers each at entry (__launch_bounds__); the
   // producer gives back to 24, the converter to 120, the consumer raises to 240:
-  // 128 * (24 + 240) + 256 * 120 = 64512 <= 65536. A raise past what the others gave back would
-  // wait forever.
+  // 128 * (24 + 240) + 256 * 120 = 64512 <= 512 * 128. A raise past what the others gave back
+  // would wait forever; the pool is what the CTA holds at entry, not the SM's 65536 (640 threads
+  // hold 640 * 96).
   static constexpr int kConverterRegs = 120;
-  static_assert(kConverterRegs < 65536 / kNumThreads &&
+  static constexpr int kEntryRegs = 65536 / kNumThreads / 8 * 8;
+  static_assert(kConverterRegs < kEntryRegs &&
                     128 * (Base::kProducerRegs + Base::kConsumerRegs) +
-                            kNumConverterThreads * kConverterRegs <= 65536,
+                            kNumConverterThreads * kConverterRegs <= kNumThreads * kEntryRegs,
                 "the setmaxnreg budgets exceed the registers the CTA holds at entry");
   // e4m3 bytes of one K or V block; the slots are plain (keys, d) rows: a half-warp's 8-byte
   // reads cover one 128-byte row (d128), so they are free of bank conflicts.
