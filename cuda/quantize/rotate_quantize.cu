@@ -677,7 +677,7 @@ cudaError_t launch_shape(const RotateQuantizeParams& p, int64_t n_blocks, cudaSt
   if (chunks == 1 && !chunked) {
     if (slices > 0x7fffffff) return cudaErrorInvalidValue;
     // The staged kernel at d >= 160, where 64-token blocks take two passes (measured at d = 256;
-    // on a GPU tested at d = 192, 256: d = 160, 224 share d = 192's idle lanes).
+    // tested on a GPU at d = 160, 192, 224, 256).
     if constexpr (kLanesPerRow >= 5) {
       constexpr int64_t kStagedRows = kStagedPasses * LaneMap<kLanesPerRow>::kRowsPerIter;
       if (std::min<int64_t>(p.block_size, p.s) <= kStagedRows) {
