@@ -12,6 +12,8 @@ are the peers of bench_decode.py and the kinds of bench_padded.py:
   padded:KIND:SEQLEN[:causal]        a bench_padded.py kind (plain, full, varlen, ...), the
                                      forward, or with --grad the forward + backward
   step:PEER:HEAD_DIM:SEQLEN[:causal] a bench_step.py peer's training step (bf16, fp8, ...)
+  fp8:HEAD_DIM:SEQLEN[:causal]       `flash_attention_fp8` from bf16 (the preparation's kernels
+                                     and the fp8 kernel), 16k tokens, width 2048
 
 Prints, per scenario, the wall time per call (back-to-back launches), then each kernel's
 count and µs per call, longest first, the kernels' sum and the span from the first kernel's start
@@ -34,6 +36,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import bench_decode  # noqa: E402
 import bench_padded  # noqa: E402
 import bench_step  # noqa: E402
+import jax_fa3  # noqa: E402
 from jax_fa3 import _bench  # noqa: E402
 
 
@@ -71,6 +74,14 @@ def step_scenario(peer, head_dim, seqlen, *flags):
   return bench_step._step_fn(bench_step._peers("causal" in flags)[peer], do), qkv
 
 
+def fp8_scenario(head_dim, seqlen, *flags):
+  d, s = int(head_dim), int(seqlen)
+  b = max(1, bench_step.TOTAL_TOKENS // s)
+  qkv = _bench.random_qkv(jax.random.PRNGKey(s + d), b, s, bench_step.WIDTH // d, d, jnp.bfloat16)
+  causal = "causal" in flags
+  return jax.jit(lambda q, k, v: jax_fa3.flash_attention_fp8(q, k, v, causal=causal)), qkv
+
+
 def parse(spec, grad):
   family, *rest = spec.split(":")
   if family == "decode" and len(rest) == 3:
@@ -79,8 +90,11 @@ def parse(spec, grad):
     return padded_scenario(*rest, grad=grad)
   if family == "step" and len(rest) >= 3:
     return step_scenario(*rest)
+  if family == "fp8" and len(rest) >= 2:
+    return fp8_scenario(*rest)
   raise ValueError(f"scenario {spec!r}: expected decode:PEER:BATCH:CACHE, "
-                   "padded:KIND:SEQLEN[:causal] or step:PEER:HEAD_DIM:SEQLEN[:causal]")
+                   "padded:KIND:SEQLEN[:causal], step:PEER:HEAD_DIM:SEQLEN[:causal] or "
+                   "fp8:HEAD_DIM:SEQLEN[:causal]")
 
 
 def device_events(trace_dir):

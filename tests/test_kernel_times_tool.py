@@ -11,10 +11,17 @@ def tool():
 
 
 @pytest.mark.parametrize("spec", ["decode:jax_fa3:1", "padded:varlen", "step:bf16:128",
-                                  "ring:1:2:3"])
+                                  "fp8:128", "ring:1:2:3"])
 def test_bad_scenarios_name_the_expected_forms(tool, spec):
   with pytest.raises(ValueError, match="decode:PEER:BATCH:CACHE"):
     tool.parse(spec, grad=False)
+
+
+def test_fp8_scenario_is_the_call_from_bf16(tool):
+  # 16k tokens at width 2048: d128 8k is 2 rows of 16 heads, bf16 inputs.
+  fn, (q, k, v) = tool.parse("fp8:128:8192:causal", grad=False)
+  assert q.shape == k.shape == v.shape == (2, 8192, 16, 128) and q.dtype.name == "bfloat16"
+  assert callable(fn)
 
 
 def test_donating_peer_is_refused(tool):
