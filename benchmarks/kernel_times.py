@@ -66,18 +66,22 @@ def padded_scenario(kind, seqlen, *flags, grad=False, head_dim=128):
   return (fwd_bwd if grad else fwd), qkv
 
 
-def step_scenario(peer, head_dim, seqlen, *flags):
+def _step_qkv(head_dim, seqlen):
+  """bench_step.py's inputs: bf16 q, k, v of TOTAL_TOKENS tokens at model width WIDTH."""
   d, s = int(head_dim), int(seqlen)
   b = max(1, bench_step.TOTAL_TOKENS // s)
-  qkv = _bench.random_qkv(jax.random.PRNGKey(s + d), b, s, bench_step.WIDTH // d, d, jnp.bfloat16)
+  return _bench.random_qkv(jax.random.PRNGKey(s + d), b, s, bench_step.WIDTH // d, d,
+                           jnp.bfloat16)
+
+
+def step_scenario(peer, head_dim, seqlen, *flags):
+  qkv = _step_qkv(head_dim, seqlen)
   do = jax.random.normal(jax.random.PRNGKey(1), qkv[0].shape, jnp.float32)
   return bench_step._step_fn(bench_step._peers("causal" in flags)[peer], do), qkv
 
 
 def fp8_scenario(head_dim, seqlen, *flags):
-  d, s = int(head_dim), int(seqlen)
-  b = max(1, bench_step.TOTAL_TOKENS // s)
-  qkv = _bench.random_qkv(jax.random.PRNGKey(s + d), b, s, bench_step.WIDTH // d, d, jnp.bfloat16)
+  qkv = _step_qkv(head_dim, seqlen)
   causal = "causal" in flags
   return jax.jit(lambda q, k, v: jax_fa3.flash_attention_fp8(q, k, v, causal=causal)), qkv
 

@@ -569,7 +569,7 @@ rotate_quantize_chunk_stats_kernel(RotateQuantizeParams p, int64_t chunks) {
 // makes the sum, the mean and so the amax NaN (scale 1.0), as on the XLA path (fmaxf, fminf drop
 // NaN, the sum does not). The stats of kChunksInFlight chunks are loaded before any is folded:
 // one chunk at a time the kernel was a chain of L2 round trips, 9.9 us for 32 chunks at d128 (2 x
-// 8k tokens, 16 heads, H100, 2026-12-07, benchmarks/RESULTS.md) for a few KB a head; 7.3 us so.
+// 8k tokens, 16 heads, H100, 2026-12-07, benchmarks/RESULTS.md) for a few KB a head; 7.3 us batched.
 __global__ void rotate_quantize_centre_kernel(const float* partials, float* mean_out,
                                               float* scales, int64_t chunks, int64_t s, int d) {
   constexpr int kChunksInFlight = 8;
