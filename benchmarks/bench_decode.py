@@ -45,14 +45,15 @@ def fp8_cache(cache):
   return jax_fa3.quantize_fp8(cache, block_size=FP8_BLOCK)
 
 
-def looped(fn, steps=DECODE_STEPS):
-  """(q, k_cache, v_cache, lengths) -> q after `steps` calls of fn in one compiled loop."""
+def looped(fn, steps=DECODE_STEPS, unroll=1):
+  """(q, k_cache, v_cache, lengths) -> q after `steps` calls of fn in one compiled loop (its body
+  unrolled `unroll` times: fewer trips of XLA's while loop per step)."""
   @jax.jit
   def run(q, k_cache, v_cache, lengths):
     def step(i, q):
       out = fn(q, k_cache, v_cache, lengths - i % 2)
       return q + (out * 1e-3).astype(q.dtype)
-    return jax.lax.fori_loop(0, steps, step, q)
+    return jax.lax.fori_loop(0, steps, step, q, unroll=unroll)
   return run
 
 
@@ -104,7 +105,7 @@ def _peers():
   return peers
 
 
-def run(batches, caches, min_time, peer_names=None):
+def run(batches, caches, min_time, peer_names=None, unroll=1):
   """peer_names: the peers of _peers() to time (None: all); the first one timed gives the
   reference output the others' max_abs_diff is taken against."""
   peers = _peers()
@@ -143,7 +144,7 @@ def run(batches, caches, min_time, peer_names=None):
           else:
             out = fn(q, k_cache, v_cache, lengths)
             seconds = _bench.median_seconds(fn, q, k_cache, v_cache, lengths, min_time=min_time)
-            loop = _bench.median_seconds(looped(fn), q, k_cache, v_cache, lengths,
+            loop = _bench.median_seconds(looped(fn, unroll=unroll), q, k_cache, v_cache, lengths,
                                          min_time=min_time) / DECODE_STEPS
             row.update(loop_us=loop * 1e6, loop_gb_per_s=cache_bytes / loop / 1e9)
           out = np.asarray(out, np.float32)
@@ -184,15 +185,19 @@ def main():
   parser.add_argument("--peers", default="",
                       help="comma-separated peers to time (default: all)")
   parser.add_argument("--min-time", type=float, default=0.2)
+  parser.add_argument("--unroll", type=int, default=1,
+                      help="unroll the compiled loop's body this many times (a divisor of "
+                           f"{DECODE_STEPS})")
   parser.add_argument("--json", default="bench_decode.json")
   args = parser.parse_args()
   header = _bench.run_header(__file__)
   print(json.dumps(header))
   copy_gbs = copy_bandwidth(args.min_time) / 1e9
   rows = run([int(x) for x in args.batches.split(",")], [int(x) for x in args.caches.split(",")],
-             args.min_time, [p for p in args.peers.split(",") if p] or None)
+             args.min_time, [p for p in args.peers.split(",") if p] or None, args.unroll)
   with open(args.json, "w") as f:
-    json.dump(dict(header=header, copy_gb_per_s=copy_gbs, rows=rows), f, indent=1)
+    json.dump(dict(header=header, copy_gb_per_s=copy_gbs, loop_unroll=args.unroll, rows=rows), f,
+              indent=1)
   print(f"\n{header}\ndecode, one query per row, d={D}, {HEADS} heads / {KV_HEADS} kv heads\n"
         f"{table(rows, copy_gbs)}")
 

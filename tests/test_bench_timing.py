@@ -47,3 +47,16 @@ def test_gradient_error_passes_exact_gradients_and_flags_wrong_ones():
   assert _bench.gradient_error(unscaled, 2, 32, False, jnp.float32, unit_scale=True,
                                seqlen=64) < 1e-4
   assert _bench.gradient_error(unscaled, 2, 32, False, jnp.float32, seqlen=64) > 1e-2
+
+
+def test_decode_loop_unrolled_computes_the_same_steps():
+  # bench_decode.py --unroll: the same 32 steps (each fed by the last one's output, lengths moving
+  # by one), fewer trips of the while loop.
+  from repo_script import load_script
+  bench_decode = load_script("benchmarks/bench_decode.py")
+  step = lambda q, k, v, lengths: q * k.sum() + v.sum() * lengths.sum()
+  args = (jnp.full((2,), 0.5), jnp.ones((3,)), jnp.ones((3,)), jnp.asarray([2, 3]))
+  plain = bench_decode.looped(step)(*args)
+  unrolled = bench_decode.looped(step, unroll=8)(*args)
+  assert bench_decode.DECODE_STEPS % 8 == 0
+  assert jnp.array_equal(plain, unrolled) and not jnp.array_equal(plain, args[0])
