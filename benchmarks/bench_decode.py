@@ -17,7 +17,8 @@ Two times per call:
               attention alone pays (at batch 1 mostly the host's dispatch and launches);
   loop_us     DECODE_STEPS calls inside one jitted `fori_loop`, each step's query fed by the
               last step's output and its lengths moving by one (nothing loop-invariant to
-              hoist): what a compiled decoding step pays, with no host round trip per call.
+              hoist): what a compiled decoding step pays, with no host round trip per call;
+              `--unroll N` unrolls the loop's body N times (fewer trips of XLA's while loop).
 
   python benchmarks/bench_decode.py [--batches 1,8,64] [--caches 1024,8192,32768,131072]
                                     [--peers jax_fa3,cudnn]
@@ -159,7 +160,7 @@ def run(batches, caches, min_time, peer_names=None, unroll=1):
   return rows
 
 
-def table(rows, copy_gbs) -> str:
+def table(rows, copy_gbs, unroll=1) -> str:
   peers = sorted({r["peer"] for r in rows}, key=lambda p: (not p.startswith("jax_fa3"), p))
   lines = ["| batch | cache | " + " | ".join(f"{p} µs (GB/s)" for p in peers) + " |",
            "|---|---|" + "---|" * len(peers)]
@@ -174,7 +175,8 @@ def table(rows, copy_gbs) -> str:
       cells.append(f"{r['us']:.1f} ({r['gb_per_s']:.0f}){loop}")
     lines.append(f"| {b} | {s} | " + " | ".join(cells) + " |")
   lines.append(f"\ncopy bandwidth (read + write): {copy_gbs:.0f} GB/s; µs per call (GB/s), one "
-               f"jitted call per step; loop: {DECODE_STEPS} steps in one compiled loop")
+               f"jitted call per step; loop: {DECODE_STEPS} steps in one compiled loop"
+               + (f", unrolled {unroll} times" if unroll > 1 else ""))
   return "\n".join(lines)
 
 
@@ -199,7 +201,7 @@ def main():
     json.dump(dict(header=header, copy_gb_per_s=copy_gbs, loop_unroll=args.unroll, rows=rows), f,
               indent=1)
   print(f"\n{header}\ndecode, one query per row, d={D}, {HEADS} heads / {KV_HEADS} kv heads\n"
-        f"{table(rows, copy_gbs)}")
+        f"{table(rows, copy_gbs, args.unroll)}")
 
 
 if __name__ == "__main__":

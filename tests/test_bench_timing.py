@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa3 import _bench
+from repo_script import load_script
 
 
 def test_median_seconds_keeps_only_the_last_outputs_alive():
@@ -52,7 +53,6 @@ def test_gradient_error_passes_exact_gradients_and_flags_wrong_ones():
 def test_decode_loop_unrolled_computes_the_same_steps():
   # bench_decode.py --unroll: the same 32 steps (each fed by the last one's output, lengths moving
   # by one), fewer trips of the while loop.
-  from repo_script import load_script
   bench_decode = load_script("benchmarks/bench_decode.py")
   step = lambda q, k, v, lengths: q * k.sum() + v.sum() * lengths.sum()
   args = (jnp.full((2,), 0.5), jnp.ones((3,)), jnp.ones((3,)), jnp.asarray([2, 3]))
