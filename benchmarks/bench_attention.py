@@ -109,40 +109,27 @@ def _fp8_peers(causal):
                                    Fp8Config(AttentionConfig(1.0, -1, -1))):
     peers.append(_bench.Peer("jax_fa3_fp8_vt", ours_vt, prepare=prepare_ours_vt,
                              max_rel_err=0.1, forward_only=True))
-  try:
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa  # noqa: PLC0415
-  except Exception:  # noqa: BLE001 (private API: absent or moved)
-    return peers
-
-  def per_tensor(x):
-    scale = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32))), 1e-30) / 448.0
-    return (x.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale
-
-  def prepare_cudnn(q, k, v):
-    (q8, qs), (k8, ks), (v8, vs) = per_tensor(q), per_tensor(k), per_tensor(v)
-    return jax.block_until_ready((q8, k8, v8, qs, ks, vs))
-
-  def cudnn(q8, k8, v8, qs, ks, vs):
-    one = lambda x: jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)
-    out_scale = 1.0 / vs  # |O| <= max|v| = 448 * vs, so O * out_scale fits e4m3
-    params = dict(amax_dQ=one(0), amax_dK=one(0), amax_dV=one(0), amax_dP=one(0),
-                  descale_q=one(qs), descale_k=one(ks), descale_v=one(vs),
-                  descale_s=one(1 / 448.0), scale_s=one(448.0), scale_o=one(out_scale),
-                  descale_o=one(1 / out_scale), descale_dO=one(1), descale_dP=one(1),
-                  scale_dQ=one(1), scale_dK=one(1), scale_dV=one(1), scale_dP=one(1))
-    out, _, _ = cudnn_fa.dot_product_attention(
-        q8, k8, v8, fp8_params=params, scale=q8.shape[-1] ** -0.5,
-        mask_type=cudnn_fa.MaskType.CAUSAL if causal else cudnn_fa.MaskType.NO_MASK,
-        qkv_layout="BTNH", use_fp8=True)
-    return (out.astype(jnp.float32) / out_scale).astype(jnp.bfloat16)
-
-  peers.append(_bench.Peer("cudnn_fp8", cudnn, prepare=prepare_cudnn, max_rel_err=0.1,
-                           forward_only=True))
+  cudnn = _bench.cudnn_fp8(causal)
+  if cudnn is not None:
+    prepare_cudnn, call_cudnn = cudnn
+    peers.append(_bench.Peer("cudnn_fp8", call_cudnn, prepare=prepare_cudnn, max_rel_err=0.1,
+                             forward_only=True))
   return peers
 
 
+def _qkv(key, b, s, h, d, dtype, kv_heads=None):
+  """Random q with h heads and k, v with kv_heads (None: h; fewer: GQA; 1: MQA)."""
+  q, k, v = _bench.random_qkv(key, b, s, h, d, dtype)
+  if kv_heads is None:
+    return q, k, v
+  if kv_heads < 1 or h % kv_heads:
+    raise ValueError(f"kv_heads={kv_heads} must divide the {h} query heads of d={d}")
+  return q, k[:, :, :kv_heads], v[:, :, :kv_heads]
+
+
 def run(head_dims, seqlens, directions, dtype, min_time, causal_modes=(False, True),
-        only_peers=None, on_row=None):
+        only_peers=None, on_row=None, kv_heads=None):
+  """kv_heads: k and v heads (None: as many as q's; fewer: GQA; 1: MQA)."""
   rows = []
   grad_errors = {}  # (peer, d, h, causal) -> its gradients' error at GRAD_CHECK_SEQLEN
   key = jax.random.PRNGKey(0)
@@ -160,9 +147,9 @@ def run(head_dims, seqlens, directions, dtype, min_time, causal_modes=(False, Tr
         if only_peers:
           peers = [p for p in peers if p.name in only_peers]
         for peer in peers:
-          q, k, v = _bench.random_qkv(sub, b, s, h, d, peer.dtype or dtype)
+          q, k, v = _qkv(sub, b, s, h, d, peer.dtype or dtype, kv_heads)
           fwd = jax.jit(peer.forward)
-          row = dict(peer=peer.name, d=d, h=h, b=b, seqlen=s, causal=causal,
+          row = dict(peer=peer.name, d=d, h=h, kv_heads=k.shape[2], b=b, seqlen=s, causal=causal,
                      dtype=str(jnp.dtype(peer.dtype or dtype)))
           try:
             args = peer.prepare(q, k, v) if peer.prepare else (q, k, v)
@@ -204,7 +191,7 @@ def run(head_dims, seqlens, directions, dtype, min_time, causal_modes=(False, Tr
   return rows
 
 
-def prep_rows(head_dims, seqlens, min_time):
+def prep_rows(head_dims, seqlens, min_time, kv_heads=None):
   """Time of the fp8 input pass alone (rotate + quantize q and k per 64-token block, quantize v
   per head) at the benchmark's shapes: what the user's call from bf16 runs on Hopper
   (`user_call`: v centred straight into the kernel's layout), the fused CUDA passes with v in its
@@ -230,11 +217,11 @@ def prep_rows(head_dims, seqlens, min_time):
     h = WIDTH // d
     for s in seqlens:
       b = max(1, TOTAL_TOKENS // s)
-      q, k, v = _bench.random_qkv(jax.random.PRNGKey(1), b, s, h, d, jnp.bfloat16)
+      q, k, v = _qkv(jax.random.PRNGKey(1), b, s, h, d, jnp.bfloat16, kv_heads)
       signs = jax.random.rademacher(jax.random.PRNGKey(2), (d,), dtype=jnp.float32)
-      row = dict(peer="fp8_prep", d=d, h=h, b=b, seqlen=s)
+      row = dict(peer="fp8_prep", d=d, h=h, kv_heads=k.shape[2], b=b, seqlen=s)
       # Minimum traffic: read q, k, v in bf16, write them in e4m3 (scales are negligible).
-      min_bytes = 3 * q.size * (2 + 1)
+      min_bytes = (q.size + k.size + v.size) * (2 + 1)
       for name, fn in (("user_call", user_call_path), ("fused", fused_path), ("xla", xla_path)):
         t = _bench.median_seconds(jax.jit(fn), q, k, v, signs, min_time=min_time)
         row[f"{name}_us"] = t * 1e6
@@ -327,6 +314,8 @@ def main():
   parser.add_argument("--peers", default=None,
                       help="comma-separated subset, e.g. jax_fa3,cudnn (default: every peer)")
   parser.add_argument("--dtype", default="bfloat16")
+  parser.add_argument("--kv-heads", type=int, default=None,
+                      help="k/v heads (GQA; 1: MQA; default: as many as the query heads)")
   parser.add_argument("--min-time", type=float, default=0.2)
   parser.add_argument("--json", default="bench_attention.json")
   parser.add_argument("--png", default="bench_attention.png")
@@ -343,10 +332,11 @@ def main():
       json.dump(dict(header=header, rows=rows, fp8_prep=list(prep)), f, indent=1)
 
   rows = run(head_dims, seqlens, args.directions.split(","), jnp.dtype(args.dtype), args.min_time,
-             {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal], only, write)
+             {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal], only, write,
+             args.kv_heads)
   prep = []
   if jax_fa3.kernels_available() and (only is None or "fp8_prep" in only):
-    prep = prep_rows(head_dims, seqlens, args.min_time)
+    prep = prep_rows(head_dims, seqlens, args.min_time, args.kv_heads)
   write(rows, prep)
   try:
     if rows:  # a run of the preparation rows alone (--peers fp8_prep) has nothing to plot

@@ -58,6 +58,8 @@ def main():
   parser.add_argument("--head-dims", default="128,256")
   parser.add_argument("--seqlens", default="4096,8192,16384")
   parser.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+  parser.add_argument("--kv-heads", type=int, default=None,
+                      help="k/v heads (GQA; 1: MQA; default: as many as the query heads)")
   parser.add_argument("--min-time", type=float, default=0.2)
   parser.add_argument("--json", default="bench_fp8.json")
   parser.add_argument("--png", default="bench_fp8.png")
@@ -68,8 +70,8 @@ def main():
   seqlens = [int(x) for x in args.seqlens.split(",")]
   causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
   rows = bench_attention.run(head_dims, seqlens, ("fwd",), jnp.dtype(jnp.bfloat16),
-                             args.min_time, causal, set(PEERS))
-  prep = bench_attention.prep_rows(head_dims, seqlens, args.min_time) if \
+                             args.min_time, causal, set(PEERS), kv_heads=args.kv_heads)
+  prep = bench_attention.prep_rows(head_dims, seqlens, args.min_time, args.kv_heads) if \
       jax_fa3.kernels_available() else []
   with open(args.json, "w") as f:
     json.dump(dict(header=header, rows=rows, fp8_prep=prep), f, indent=1)
@@ -77,7 +79,8 @@ def main():
     bench_attention.plot(rows, args.png)
   except ImportError:
     print("matplotlib missing: no plot")
-  print(f"\n{header}\nfp8 forward, bf16 inputs, 16k tokens per call\n{table(rows, prep)}")
+  heads = "" if args.kv_heads is None else f", {args.kv_heads} k/v heads"
+  print(f"\n{header}\nfp8 forward, bf16 inputs, 16k tokens per call{heads}\n{table(rows, prep)}")
 
 
 if __name__ == "__main__":

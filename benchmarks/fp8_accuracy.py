@@ -11,6 +11,8 @@ tensors; the reference is float64 attention of them, so each RMSE is that method
   fp8_tensor_rot  per-tensor scales + rotation (not in the paper: isolates the rotation's share)
   fp8_block       q, k: one scale per (batch, head, 64 tokens); v: one per (batch, kv-head)
   fp8_block_rot   block quantization + incoherent processing (random Hadamard rotation) = FA3 FP8
+  cudnn_fp8       cuDNN's fp8 forward (one scale per tensor, e4m3 output, dequantized), on a GPU
+                  where JAX's private cuDNN fp8 API works; "vs cuDNN" = its RMSE / block+rot's
 
 RMSE = sqrt(mean((out - reference)^2)) over all output elements. All fp8 variants quantize P the
 same way (e4m3(2^6·P), see jax_fa3/fp8.py), so the differences come from q/k/v scaling and rotation.
@@ -45,7 +47,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_fa3  # noqa: E402
-from jax_fa3 import _fp8_forward, _fp8_quantize, fp8, reference  # noqa: E402
+from jax_fa3 import _bench, _fp8_forward, _fp8_quantize, fp8, reference  # noqa: E402
 from jax_fa3.hadamard import hadamard_transform  # noqa: E402
 
 PAPER = {"fp16": 1.9e-4, "fp8_baseline": 2.4e-2, "fa3_fp8": 9.1e-3}
@@ -75,6 +77,9 @@ def quantize_per_tensor(x, block_size):
 
 
 def run_method(method, q, k, v, *, causal, signs, block_size=64):
+  if method == "cudnn_fp8":
+    prepare, call = _bench.cudnn_fp8(causal)
+    return jax.jit(call)(*prepare(q, k, v))
   if method == "bf16":
     return jax_fa3.flash_attention(q, k, v, causal=causal)
   if method.startswith("fp8_block"):
@@ -102,11 +107,18 @@ def measure(d, causal, *, batch, heads, seqlen, seed, v_mean=0.0, methods=METHOD
   ref = np.asarray(ref)
   row = {"d": d, "causal": causal, "ref_rms": float(np.sqrt(np.mean(ref ** 2)))}
   for method in methods:
-    row[method] = rmse(run_method(method, q, k, v, causal=causal, signs=signs), ref)
+    try:
+      row[method] = rmse(run_method(method, q, k, v, causal=causal, signs=signs), ref)
+    except Exception as e:  # noqa: BLE001 (cuDNN refuses some shapes; the other methods go on)
+      if method != "cudnn_fp8":
+        raise
+      row[method], row["cudnn_fp8_error"] = None, _bench.failure(e)
   if "fp8_block" in row and "fp8_block_rot" in row:
     row["gain_rot_vs_block"] = row["fp8_block"] / row["fp8_block_rot"]
   if "fp8_tensor" in row and "fp8_block_rot" in row:
     row["gain_fa3_vs_tensor"] = row["fp8_tensor"] / row["fp8_block_rot"]
+  if row.get("cudnn_fp8") and "fp8_block_rot" in row:
+    row["gain_vs_cudnn_fp8"] = row["cudnn_fp8"] / row["fp8_block_rot"]
   return row
 
 
@@ -196,8 +208,11 @@ def main():
   print(f"paper (H100, s/shape not stated per row): fp16 {PAPER['fp16']:.1e}, "
         f"FP8 baseline {PAPER['fp8_baseline']:.1e}, FA3 FP8 {PAPER['fa3_fp8']:.1e} "
         f"(gain {PAPER['fp8_baseline'] / PAPER['fa3_fp8']:.1f}x)\n")
+  with_cudnn = jax.default_backend() == "gpu" and _bench.cudnn_fp8(False) is not None
+  methods = METHODS + (("cudnn_fp8",) if with_cudnn else ())
   header = (f"{'d':>4} {'causal':>6} | {'bf16':>8} {'fp8 tensor':>10} {'tensor+rot':>10} "
-            f"{'fp8 block':>10} {'block+rot':>10} | {'rot gain':>8} {'vs tensor':>9}")
+            f"{'fp8 block':>10} {'block+rot':>10} | {'rot gain':>8} {'vs tensor':>9}"
+            + (f" | {'cuDNN fp8':>10} {'vs cuDNN':>8}" if with_cudnn else ""))
   print(header)
   print("-" * len(header))
   rows = []
@@ -205,13 +220,18 @@ def main():
   for d in args.head_dims:
     for causal in (False, True):
       r = measure(d, causal, batch=args.batch, heads=args.heads, seqlen=args.seqlen,
-                  seed=args.seed, v_mean=args.v_mean)
+                  seed=args.seed, v_mean=args.v_mean, methods=methods)
       rows.append(r)
+      cudnn = ""
+      if with_cudnn:
+        cudnn = (f" | {r['cudnn_fp8']:10.2e} {r['gain_vs_cudnn_fp8']:7.2f}x" if r["cudnn_fp8"]
+                 else f" | {'failed':>10} {'—':>8}")
       print(f"{d:>4} {str(causal):>6} | {r['bf16']:8.2e} {r['fp8_tensor']:10.2e} "
             f"{r['fp8_tensor_rot']:10.2e} {r['fp8_block']:10.2e} {r['fp8_block_rot']:10.2e} | "
-            f"{r['gain_rot_vs_block']:7.2f}x {r['gain_fa3_vs_tensor']:8.2f}x", flush=True)
-  print(f"\nrot gain = fp8 block / block+rot; vs tensor = fp8 tensor / block+rot. "
-        f"{time.time() - start:.0f} s")
+            f"{r['gain_rot_vs_block']:7.2f}x {r['gain_fa3_vs_tensor']:8.2f}x{cudnn}", flush=True)
+  print(f"\nrot gain = fp8 block / block+rot; vs tensor = fp8 tensor / block+rot"
+        + ("; vs cuDNN = cuDNN fp8 / block+rot" if with_cudnn else "")
+        + f". {time.time() - start:.0f} s")
   result = {"config": {**vars(args), "fp8_path": backend, "jax": jax.__version__,
                        "platform": jax.devices()[0].platform, "machine": platform.machine()},
             "paper": PAPER, "rows": rows}

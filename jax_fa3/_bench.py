@@ -112,6 +112,42 @@ def peers(causal: bool, on_gpu: bool) -> list[Peer]:
   return out
 
 
+def cudnn_fp8(causal: bool):
+  """cuDNN's fp8 forward through JAX's private API: (prepare, call), or None where it is absent.
+
+  prepare(q, k, v) quantizes each tensor with one scale (max |x| / 448, what cuDNN's fp8 API
+  takes); call(*prepare(...)) returns cuDNN's e4m3 output dequantized to bfloat16.
+  """
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa  # noqa: PLC0415
+  except Exception:  # noqa: BLE001 (private API: absent or moved)
+    return None
+
+  def per_tensor(x):
+    scale = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32))), 1e-30) / 448.0
+    return (x.astype(jnp.float32) / scale).astype(jnp.float8_e4m3fn), scale
+
+  def prepare(q, k, v):
+    (q8, qs), (k8, ks), (v8, vs) = per_tensor(q), per_tensor(k), per_tensor(v)
+    return jax.block_until_ready((q8, k8, v8, qs, ks, vs))
+
+  def call(q8, k8, v8, qs, ks, vs):
+    one = lambda x: jnp.asarray(x, jnp.float32).reshape(1, 1, 1, 1)
+    out_scale = 1.0 / vs  # |O| <= max|v| = 448 * vs, so O * out_scale fits e4m3
+    params = dict(amax_dQ=one(0), amax_dK=one(0), amax_dV=one(0), amax_dP=one(0),
+                  descale_q=one(qs), descale_k=one(ks), descale_v=one(vs),
+                  descale_s=one(1 / 448.0), scale_s=one(448.0), scale_o=one(out_scale),
+                  descale_o=one(1 / out_scale), descale_dO=one(1), descale_dP=one(1),
+                  scale_dQ=one(1), scale_dK=one(1), scale_dV=one(1), scale_dP=one(1))
+    out, _, _ = cudnn_fa.dot_product_attention(
+        q8, k8, v8, fp8_params=params, scale=q8.shape[-1] ** -0.5,
+        mask_type=cudnn_fa.MaskType.CAUSAL if causal else cudnn_fa.MaskType.NO_MASK,
+        qkv_layout="BTNH", use_fp8=True)
+    return (out.astype(jnp.float32) / out_scale).astype(jnp.bfloat16)
+
+  return prepare, call
+
+
 def relative_error(out, q, k, v, causal, unit_scale=False) -> float:
   """‖out − ref‖/‖ref‖ against the fp32 reference on the same (rounded) inputs."""
   f32 = lambda x: x.astype(jnp.float32)

@@ -2,6 +2,9 @@
 benchmarks/bench_fp8.py `table`) render a row with the fields `prep_rows` writes, leading with the
 user's call from bf16 (what `flash_attention_fp8` runs on Hopper), and take its share of the fp8
 kernel's time from the non-causal kernel row of the same shape."""
+import jax
+import jax.numpy as jnp
+import pytest
 from repo_script import load_script
 
 bench_attention = load_script("benchmarks/bench_attention.py")
@@ -43,3 +46,14 @@ def test_fp8_table_quotes_the_users_call_as_the_prep_pass():
   cells = [c.strip() for c in line.strip("|").split("|")]
   assert cells[names.index("prep pass µs")] == "202"
   assert cells[names.index("from bf16 ÷ pre-quantized")] == "1.17×"
+
+
+def test_benchmark_inputs_take_fewer_kv_heads_for_gqa_and_refuse_a_non_divisor():
+  key = jax.random.PRNGKey(0)
+  q, k, v = bench_attention._qkv(key, 1, 8, 16, 32, jnp.bfloat16, kv_heads=2)
+  assert (q.shape, k.shape, v.shape) == ((1, 8, 16, 32), (1, 8, 2, 32), (1, 8, 2, 32))
+  full = bench_attention._qkv(key, 1, 8, 16, 32, jnp.bfloat16)
+  assert all(x.shape == (1, 8, 16, 32) for x in full)
+  assert bool(jnp.all(full[1][:, :, :2] == k))  # the same draw, its first heads
+  with pytest.raises(ValueError, match="kv_heads=3 must divide the 16 query heads"):
+    bench_attention._qkv(key, 1, 8, 16, 32, jnp.bfloat16, kv_heads=3)
