@@ -231,7 +231,8 @@ def prep_rows(head_dims, seqlens, min_time, kv_heads=None):
       # itself (what the user's call from bf16 runs) and, for comparison, with XLA's mean and the
       # pass that subtracts it (the call before the pass took the mean). One jitted call runs a
       # part on PART_COPIES distinct inputs: a single ~50 µs pass per call timed the host's
-      # dispatch instead (H200, 2026-12-02: 72 µs here vs 52 in the standalone tool).
+      # dispatch instead (H200, 2026-12-02: 72 µs here vs 52 in the standalone tool). Every part
+      # runs at q's shape, also with fewer k/v heads (kv_heads), where k's and v's passes are shorter.
       copies = [q] + [q * (1 + 2.0**-6 * i) for i in range(1, PART_COPIES)]
       for name, fn in (("q_rotated", lambda x, s: _fp8_quantize.rotate_quantize(x, s, True, 64)),
                        ("v_per_head",

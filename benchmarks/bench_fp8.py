@@ -8,7 +8,10 @@ peer's output is checked against the fp32 reference first (fp8: within 0.1 relat
 come from `bench_attention.py`, which this script runs with the fp8 set.
 
   python benchmarks/bench_fp8.py [--head-dims 128,256] [--seqlens 4096,8192,16384] \
-      [--json out.json] [--png out.png]
+      [--kv-heads N] [--json out.json] [--png out.png]
+
+--kv-heads N gives k and v N heads (GQA; 1: MQA); the preparation pass's parts are still timed at
+q's shape.
 """
 from __future__ import annotations
 
