@@ -1,7 +1,8 @@
 """The fp8 preparation benchmark's tables (benchmarks/bench_attention.py `prep_table`,
 benchmarks/bench_fp8.py `table`) render a row with the fields `prep_rows` writes, leading with the
 user's call from bf16 (what `flash_attention_fp8` runs on Hopper), and take its share of the fp8
-kernel's time from the non-causal kernel row of the same shape."""
+kernel's time from the non-causal kernel row of the same shape; and the benchmark's inputs with
+fewer k/v heads (`--kv-heads`, GQA/MQA)."""
 import jax
 import jax.numpy as jnp
 import pytest
