@@ -28,6 +28,13 @@ and dv against float64 attention's, for dO ~ N(0, 1), of
   fp8_fp8         flash_attention_fp8(backward="fp8"): three of five GEMMs in e4m3
   fp8_fp8_norot   the same without the rotation
 
+--sources measures where the forward's error comes from as attention sharpens: on q, k, v ~
+N(0, 1) with q scaled by alpha (logit standard deviation alpha; 16 is a sharp, trained-model-like
+regime), the relative RMSE (RMSE / RMS of the reference) of flash_attention (bf16),
+flash_attention_fp8 (the kernel's numerics), and, in float64 with one rounding at a time, q and k
+as the kernel multiplies them (rotated, block-quantized: `qk`), P as e4m3(2^6·P) summed as
+quantized (`p`), and V centred and quantized with one scale per head (`v`).
+
 --v-mean m adds m to every element of V (not in the paper): the kernel's PV accumulation on the
 tensor cores keeps ~13 mantissa bits, which zero-mean V hides and a mean exposes, more so with
 more keys (docs/CONTRACTS.md; e.g. --v-mean 2 --seqlen 4096 --head-dims 128).
@@ -158,6 +165,67 @@ def measure_gradients(d, causal, *, batch, heads, seqlen, seed, v_mean=0.0):
   return row
 
 
+SHARPNESS = (1.0, 4.0, 16.0)
+SOURCES = ("bf16", "fp8", "qk", "p", "v")
+
+
+def _attention_f64(q, k, v, quantize_p=False):
+  """Attention in float64 of (b, s, h, d) inputs; with quantize_p, P as the fp8 kernel rounds it
+  (e4m3(2^6 · exp(S - row max)), the row sum taken of the rounded values)."""
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+  p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+  if quantize_p:
+    p = _fp8_quantize.to_e4m3(p * 64.0).astype(jnp.float64) / 64.0
+  out = jnp.einsum("bhqk,bkhd->bqhd", p, v)
+  return out / jnp.swapaxes(jnp.sum(p, axis=-1), 1, 2)[..., None]
+
+
+def measure_sources(alpha, d, *, batch, heads, seqlen, seed, block_size=64):
+  """Relative RMSE of each SOURCES entry at logit standard deviation alpha (q scaled by it)."""
+  rng = np.random.default_rng(seed + d)
+  normal = lambda: rng.standard_normal((batch, seqlen, heads, d))
+  q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (normal() * alpha, normal(), normal()))
+  signs = jax.random.rademacher(jax.random.PRNGKey(seed), (d,), dtype=jnp.float32)
+  q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
+  ref = np.asarray(_attention_f64(q64, k64, v64))
+  q8, k8, v8, q_scale, k_scale, v_scale, v_mean = _fp8_quantize.rotate_and_quantize(
+      q, k, v, signs, True, block_size)
+  dequantized = lambda x8, scales, block: (
+      x8.astype(jnp.float64) * _fp8_quantize.per_token(scales, block, seqlen).astype(jnp.float64))
+  # Rotated q and k: the rotation is orthogonal, so their scores are q·k up to the rounding.
+  q_used, k_used = dequantized(q8, q_scale, block_size), dequantized(k8, k_scale, block_size)
+  v_used = dequantized(v8, v_scale[..., None], seqlen) + v_mean[:, None].astype(jnp.float64)
+  outs = {"bf16": jax_fa3.flash_attention(q, k, v),
+          "fp8": fp8.flash_attention_fp8(q, k, v, signs=signs, block_size=block_size),
+          "qk": _attention_f64(q_used, k_used, v64),
+          "p": _attention_f64(q64, k64, v64, quantize_p=True),
+          "v": _attention_f64(q64, k64, v_used)}
+  top = jnp.max(jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q64, k64) / np.sqrt(d)), axis=-1)
+  row = {"alpha": alpha, "d": d, "mean_top_p": float(jnp.mean(top))}
+  row.update({name: relative_rmse(out, ref) for name, out in outs.items()})
+  return row
+
+
+def main_sources(args, backend):
+  print(f"FP8 forward error by source: b={args.batch} h={args.heads} s={args.seqlen}, fp8 path: "
+        f"{backend}, jax {jax.__version__} on {jax.devices()[0].platform}")
+  print("q, k, v ~ N(0, 1), q scaled by alpha (logit std alpha), bf16; relative RMSE vs float64 "
+        "attention; qk / p / v: that rounding alone, in float64\n")
+  header = (f"{'d':>4} {'alpha':>5} {'mean top P':>10} | {'bf16':>8} {'fp8':>8} | "
+            f"{'qk':>8} {'p':>8} {'v':>8}")
+  print(header)
+  print("-" * len(header))
+  rows = []
+  for d in args.head_dims:
+    for alpha in SHARPNESS:
+      r = measure_sources(alpha, d, batch=args.batch, heads=args.heads, seqlen=args.seqlen,
+                          seed=args.seed)
+      rows.append(r)
+      print(f"{d:>4} {alpha:5g} {r['mean_top_p']:10.3f} | {r['bf16']:8.2e} {r['fp8']:8.2e} | "
+            f"{r['qk']:8.2e} {r['p']:8.2e} {r['v']:8.2e}", flush=True)
+  return rows
+
+
 def main_gradients(args, backend):
   print(f"FP8 attention gradients: b={args.batch} h={args.heads} s={args.seqlen}, fp8 forward: "
         f"{backend}, jax {jax.__version__} on {jax.devices()[0].platform}")
@@ -187,12 +255,14 @@ def main():
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--v-mean", type=float, default=0.0, help="added to every element of V")
   parser.add_argument("--backward", action="store_true", help="measure gradients (see above)")
+  parser.add_argument("--sources", action="store_true",
+                      help="the forward's error by source as attention sharpens (see above)")
   parser.add_argument("--json", default="fp8_accuracy.json")
   args = parser.parse_args()
 
   backend = "kernels" if _fp8_forward.kernel_unavailable_reason() is None else "pure-JAX emulation"
-  if args.backward:
-    rows = main_gradients(args, backend)
+  if args.backward or args.sources:
+    rows = (main_gradients if args.backward else main_sources)(args, backend)
     result = {"config": {**vars(args), "fp8_path": backend, "jax": jax.__version__,
                          "platform": jax.devices()[0].platform, "machine": platform.machine()},
               "rows": rows}
