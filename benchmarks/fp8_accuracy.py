@@ -166,16 +166,18 @@ def measure_gradients(d, causal, *, batch, heads, seqlen, seed, v_mean=0.0):
 
 
 SHARPNESS = (1.0, 4.0, 16.0)
-SOURCES = ("bf16", "fp8", "qk", "p", "v")
 
 
-def _attention_f64(q, k, v, quantize_p=False):
-  """Attention in float64 of (b, s, h, d) inputs; with quantize_p, P as the fp8 kernel rounds it
-  (e4m3(2^6 · exp(S - row max)), the row sum taken of the rounded values)."""
+def _float64_attention(q, k, v):
+  return reference.attention_forward(q, k, v, softmax_scale=1 / np.sqrt(q.shape[-1]))[0]
+
+
+def _attention_with_p_rounded(q, k, v):
+  """Float64 attention of (b, s, h, d) inputs with P rounded as the fp8 kernel rounds it:
+  e4m3(2^6 · exp(S - row max)), the row sum taken of the rounded values."""
   scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
   p = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
-  if quantize_p:
-    p = _fp8_quantize.to_e4m3(p * 64.0).astype(jnp.float64) / 64.0
+  p = _fp8_quantize.to_e4m3(p * 64.0).astype(jnp.float64) / 64.0
   out = jnp.einsum("bhqk,bkhd->bqhd", p, v)
   return out / jnp.swapaxes(jnp.sum(p, axis=-1), 1, 2)[..., None]
 
@@ -187,19 +189,19 @@ def measure_sources(alpha, d, *, batch, heads, seqlen, seed, block_size=64):
   q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (normal() * alpha, normal(), normal()))
   signs = jax.random.rademacher(jax.random.PRNGKey(seed), (d,), dtype=jnp.float32)
   q64, k64, v64 = (x.astype(jnp.float64) for x in (q, k, v))
-  ref = np.asarray(_attention_f64(q64, k64, v64))
+  ref = np.asarray(_float64_attention(q64, k64, v64))
   q8, k8, v8, q_scale, k_scale, v_scale, v_mean = _fp8_quantize.rotate_and_quantize(
       q, k, v, signs, True, block_size)
-  dequantized = lambda x8, scales, block: (
-      x8.astype(jnp.float64) * _fp8_quantize.per_token(scales, block, seqlen).astype(jnp.float64))
   # Rotated q and k: the rotation is orthogonal, so their scores are q·k up to the rounding.
-  q_used, k_used = dequantized(q8, q_scale, block_size), dequantized(k8, k_scale, block_size)
-  v_used = dequantized(v8, v_scale[..., None], seqlen) + v_mean[:, None].astype(jnp.float64)
+  q_used, k_used = (fp8.dequantize_fp8(x8, scales, block_size=block_size, dtype=jnp.float64)
+                    for x8, scales in ((q8, q_scale), (k8, k_scale)))
+  v_used = (fp8.dequantize_fp8(v8, v_scale[..., None], block_size=None, dtype=jnp.float64)
+            + v_mean[:, None].astype(jnp.float64))
   outs = {"bf16": jax_fa3.flash_attention(q, k, v),
           "fp8": fp8.flash_attention_fp8(q, k, v, signs=signs, block_size=block_size),
-          "qk": _attention_f64(q_used, k_used, v64),
-          "p": _attention_f64(q64, k64, v64, quantize_p=True),
-          "v": _attention_f64(q64, k64, v_used)}
+          "qk": _float64_attention(q_used, k_used, v64),
+          "p": _attention_with_p_rounded(q64, k64, v64),
+          "v": _float64_attention(q64, k64, v_used)}
   top = jnp.max(jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q64, k64) / np.sqrt(d)), axis=-1)
   row = {"alpha": alpha, "d": d, "mean_top_p": float(jnp.mean(top))}
   row.update({name: relative_rmse(out, ref) for name, out in outs.items()})
