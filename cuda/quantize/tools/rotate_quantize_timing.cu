@@ -3,10 +3,11 @@
 // (the memory-bound floor). Build (from the repo root):
 //   nvcc -std=c++17 -O3 -arch=sm_90a --use_fast_math -I cuda \
 //     cuda/quantize/tools/rotate_quantize_timing.cu -o rq_timing
-// Run: rq_timing b s h d [quick]  (bf16 input; prints q/k rotated per 64-token block, v per head as is and
-// in the fp8 kernel's V layout, and the cast floor; µs and GB/s of the minimum traffic, 3 bytes
-// per element; the rotated case's output hash, to compare two builds bit for bit; then a host
-// check of the v cases, "FAILED" if it does not hold).
+// Run: rq_timing b s h d [quick]  (bf16 input; prints q/k rotated per 64-token block, v per head as
+// is, in the fp8 kernel's V layout, and centred by the pass into that layout (what
+// `flash_attention_fp8` from floats runs), and the cast floor; µs and GB/s of the minimum traffic,
+// 3 bytes per element; each case's output hash, to compare two builds bit for bit; then a host
+// check of the uncentred v cases, "FAILED" if it does not hold).
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
@@ -57,8 +58,10 @@ int main(int argc, char** argv) {
   std::vector<float> hsigns(d);
   for (auto& v : hsigns) v = (rng() & 1) ? 1.f : -1.f;
   void *x, *values;
-  float *signs, *scales;
+  float *signs, *scales, *mean_out, *partials;
   CHECK(cudaMalloc(&x, n * 2));
+  CHECK(cudaMalloc(&mean_out, b * h * d * 4));
+  CHECK(cudaMalloc(&partials, jax_fa3::rotate_quantize_centre_workspace_floats(b, s, h, d) * 4));
   CHECK(cudaMalloc(&values, b * h * d * jax_fa3::flash_fwd_fp8_key_pad(s)));
   CHECK(cudaMalloc(&signs, d * 4));
   CHECK(cudaMalloc(&scales, b * h * ((s + 63) / 64) * 4));
@@ -94,6 +97,7 @@ int main(int argc, char** argv) {
     bool rotate;
     int block_size;  // 0: one block per head
     bool keys_transposed;
+    bool centre;
   };
   // Check of the unrotated cases against the host: v's per-head scales exactly, its values at
   // every 97th element (e4m3 of x times the correctly rounded reciprocal), and the kernel layout
@@ -130,25 +134,32 @@ int main(int argc, char** argv) {
       ok &= vt[i] == want;
     }
   };
-  for (const Case& c : {Case{"q/k rotated, 64-token blocks", true, 64, false},
-                        Case{"v per head", false, 0, false},
-                        Case{"v per head, kernel layout", false, 0, true}}) {
+  for (const Case& c : {Case{"q/k rotated, 64-token blocks", true, 64, false, false},
+                        Case{"v per head", false, 0, false, false},
+                        Case{"v per head, kernel layout", false, 0, true, false},
+                        Case{"v centred, kernel layout", false, 0, true, true}}) {
     jax_fa3::RotateQuantizeParams p{x, c.rotate ? signs : nullptr, values, scales, b, s, h, d,
                                     c.block_size ? c.block_size : static_cast<int>(s),
                                     jax_fa3::DType::kBFloat16, c.keys_transposed};
-    report(c.name, time_us([&] { CHECK(jax_fa3::launch_rotate_quantize(p, nullptr)); }));
-    if (!c.rotate) check_v(c.keys_transposed);
-    if (c.rotate) {
-      // FNV-1a of the values and the scales: two builds of the pass compare bit for bit.
-      std::vector<uint8_t> out(n);
-      std::vector<uint32_t> out_scales(b * h * ((s + 63) / 64));
-      CHECK(cudaMemcpy(out.data(), values, n, cudaMemcpyDeviceToHost));
-      CHECK(cudaMemcpy(out_scales.data(), scales, out_scales.size() * 4, cudaMemcpyDeviceToHost));
-      uint64_t hash = 1469598103934665603ull;
-      for (uint8_t byte : out) hash = (hash ^ byte) * 1099511628211ull;
-      for (uint32_t word : out_scales) hash = (hash ^ word) * 1099511628211ull;
-      std::printf("  hash of the values and scales: %016llx\n", (unsigned long long)hash);
+    if (c.centre) {
+      p.mean_out = mean_out;
+      p.partials = partials;
     }
+    report(c.name, time_us([&] { CHECK(jax_fa3::launch_rotate_quantize(p, nullptr)); }));
+    if (!c.rotate && !c.centre) check_v(c.keys_transposed);
+    // FNV-1a of the values, the scales and the mean: two builds of the pass compare bit for bit.
+    const int64_t value_bytes = c.keys_transposed ? b * h * d * jax_fa3::flash_fwd_fp8_key_pad(s) : n;
+    std::vector<uint8_t> out(value_bytes);
+    std::vector<uint32_t> out_scales(b * h * (c.block_size ? (s + c.block_size - 1) / c.block_size : 1));
+    std::vector<uint32_t> out_mean(c.centre ? b * h * d : 0);
+    CHECK(cudaMemcpy(out.data(), values, out.size(), cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(out_scales.data(), scales, out_scales.size() * 4, cudaMemcpyDeviceToHost));
+    CHECK(cudaMemcpy(out_mean.data(), mean_out, out_mean.size() * 4, cudaMemcpyDeviceToHost));
+    uint64_t hash = 1469598103934665603ull;
+    for (uint8_t byte : out) hash = (hash ^ byte) * 1099511628211ull;
+    for (uint32_t word : out_scales) hash = (hash ^ word) * 1099511628211ull;
+    for (uint32_t word : out_mean) hash = (hash ^ word) * 1099511628211ull;
+    std::printf("  hash of the values, scales and mean: %016llx\n", (unsigned long long)hash);
   }
   std::printf("check: v scales, values and kernel layout vs host: %s\n", ok ? "ok" : "FAILED");
   const int64_t vecs = n / 8;
