@@ -13,10 +13,10 @@ come from `bench_attention.py`, which this script runs with the fp8 set.
 --kv-heads N gives k and v N heads (GQA; 1: MQA); the preparation pass's parts are still timed at
 q's shape.
 
-After the table it checks the FP8 forward's speed targets (`targets`: the kernel's TFLOP/s at 8k
-and above, causal against non-causal, the call from bf16 against the kernel alone and against
-cuDNN's fp8) on the points measured, each with its worst point and whether it holds; the JSON
-keeps them under "targets".
+Before the table it prints the FP8 forward's speed targets checked on the points measured
+(`targets`: the kernel's TFLOP/s at 8k and above, causal against non-causal, the call from bf16
+against the kernel alone and against cuDNN's fp8), each with its worst point and whether every
+point holds; the JSON keeps them under "targets".
 """
 from __future__ import annotations
 
@@ -70,8 +70,9 @@ OVER_CUDNN = 1.15  # from bf16 >= this x cuDNN fp8's speed, everywhere
 
 
 def targets(rows) -> list[dict]:
-  """Each target over the points of `rows` it applies to: the worst measured value, where, the
-  bound, and whether every point holds (None where no point applies)."""
+  """Each target that applies to some point of `rows`: the worst measured value, where, the
+  bound, and whether every point holds. A target no point reaches (no fp8 rows off Hopper, no
+  seqlen of 8k) is left out."""
   def fwd(peer, d, causal, s, key="fwd_ms"):
     return _row(rows, peer, d, causal, s).get(key)
 
