@@ -71,40 +71,39 @@ OVER_CUDNN = 1.15  # from bf16 >= this x cuDNN fp8's speed, everywhere
 
 def targets(rows) -> list[dict]:
   """Each target that applies to some point of `rows`: the worst measured value, where, the
-  bound, and whether every point holds. A target no point reaches (no fp8 rows off Hopper, no
-  seqlen of 8k) is left out."""
-  def fwd(peer, d, causal, s, key="fwd_ms"):
+  bound, and whether every point holds; the kernel's targets first (by head dim), then the
+  call's. A target no point reaches (no fp8 rows off Hopper, no seqlen of 8k) is left out."""
+  def measured(peer, d, causal, s, key="fwd_ms"):
     return _row(rows, peer, d, causal, s).get(key)
 
-  points = sorted({(r["d"], r["causal"], r["seqlen"]) for r in rows})
-  checks = []  # (target, point, value, bound, higher_is_better)
-  for d, causal, s in points:
-    pre, e2e = fwd("jax_fa3_fp8_vt", d, causal, s), fwd("jax_fa3_fp8_e2e", d, causal, s)
-    pre_tflops = fwd("jax_fa3_fp8_vt", d, causal, s, "fwd_tflops")
-    cudnn = fwd("cudnn_fp8", d, causal, s)
+  found = {}  # (rank, name) -> (bound, higher_is_better, [(value, where), ...])
+
+  def check(rank, name, bound, higher_is_better, value, where):
+    found.setdefault((rank, name), (bound, higher_is_better, []))[2].append((value, where))
+
+  for d, causal, s in sorted({(r["d"], r["causal"], r["seqlen"]) for r in rows}):
+    pre, e2e = measured("jax_fa3_fp8_vt", d, causal, s), measured("jax_fa3_fp8_e2e", d, causal, s)
+    pre_tflops = measured("jax_fa3_fp8_vt", d, causal, s, "fwd_tflops")
+    cudnn = measured("cudnn_fp8", d, causal, s)
     where = f"d{d} {'causal' if causal else 'non-causal'} {s}"
     if not causal and s >= LONG and d in KERNEL_TFLOPS and pre_tflops:
-      checks.append((f"d{d} kernel TFLOP/s, non-causal, >= {LONG}", where, pre_tflops,
-                     KERNEL_TFLOPS[d], True))
-    full = fwd("jax_fa3_fp8_vt", d, False, s, "fwd_tflops")
+      check(0, f"d{d} kernel TFLOP/s, non-causal, >= {LONG}", KERNEL_TFLOPS[d], True, pre_tflops,
+            where)
+    full = measured("jax_fa3_fp8_vt", d, False, s, "fwd_tflops")
     if causal and s >= LONG and pre_tflops and full:
-      checks.append((f"kernel causal / non-causal TFLOP/s, >= {LONG}", where, pre_tflops / full,
-                     CAUSAL_SHARE, True))
+      check(1, f"kernel causal / non-causal TFLOP/s, >= {LONG}", CAUSAL_SHARE, True,
+            pre_tflops / full, where)
     if s == LONG and pre and e2e:
-      checks.append((f"from bf16 / pre-quantized time at {LONG}", where, e2e / pre,
-                     FROM_BF16_OVERHEAD, False))
+      check(2, f"from bf16 / pre-quantized time at {LONG}", FROM_BF16_OVERHEAD, False, e2e / pre,
+            where)
     if e2e and cudnn:
-      checks.append(("from bf16, speed / cuDNN fp8's", where, cudnn / e2e, OVER_CUDNN, True))
+      check(3, "from bf16, speed / cuDNN fp8's", OVER_CUDNN, True, cudnn / e2e, where)
   out = []
-  # The kernel's targets first, then the call's; in the order of the head dims within each.
-  rank = lambda name: (("kernel" not in name), "causal /" in name, "cuDNN" in name, name)
-  for name in sorted(dict.fromkeys(c[0] for c in checks), key=rank):
-    mine = [c for c in checks if c[0] == name]
-    better = mine[0][4]
-    worst = min(mine, key=lambda c: c[2] if better else -c[2])
-    holds = all((c[2] >= c[3]) if better else (c[2] <= c[3]) for c in mine)
-    out.append(dict(target=name, bound=worst[3], higher_is_better=better, worst=worst[2],
-                    worst_at=worst[1], points=len(mine), holds=holds))
+  for (_, name), (bound, better, points) in sorted(found.items()):
+    worst, worst_at = min(points) if better else max(points)
+    holds = all(v >= bound if better else v <= bound for v, _ in points)
+    out.append(dict(target=name, bound=bound, higher_is_better=better, worst=worst,
+                    worst_at=worst_at, points=len(points), holds=holds))
   return out
 
 
