@@ -148,9 +148,11 @@ int main(int argc, char** argv) {
     report(c.name, time_us([&] { CHECK(jax_fa3::launch_rotate_quantize(p, nullptr)); }));
     if (!c.rotate && !c.centre) check_v(c.keys_transposed);
     // FNV-1a of the values, the scales and the mean: two builds of the pass compare bit for bit.
-    const int64_t value_bytes = c.keys_transposed ? b * h * d * jax_fa3::flash_fwd_fp8_key_pad(s) : n;
+    const int64_t value_bytes =
+        c.keys_transposed ? b * h * d * jax_fa3::flash_fwd_fp8_key_pad(s) : n;
+    const int64_t blocks = c.block_size ? (s + c.block_size - 1) / c.block_size : 1;
     std::vector<uint8_t> out(value_bytes);
-    std::vector<uint32_t> out_scales(b * h * (c.block_size ? (s + c.block_size - 1) / c.block_size : 1));
+    std::vector<uint32_t> out_scales(b * h * blocks);
     std::vector<uint32_t> out_mean(c.centre ? b * h * d : 0);
     CHECK(cudaMemcpy(out.data(), values, out.size(), cudaMemcpyDeviceToHost));
     CHECK(cudaMemcpy(out_scales.data(), scales, out_scales.size() * 4, cudaMemcpyDeviceToHost));
